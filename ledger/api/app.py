@@ -1,0 +1,190 @@
+"""The FastAPI application factory.
+
+Errors become RFC 9457 problem+json in one place: every :class:`LedgerError` through
+:func:`ledger.problems.problem_for`, request validation as 422, a lost database as 503
+with ``Retry-After``. Bodies over the configured limit are refused with 413 before they
+are read into memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+import psycopg
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError, OperationalError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ledger import __version__, metrics
+from ledger.api.routes import envelopes, health, keys
+from ledger.api.schemas import Problem
+from ledger.core.errors import LedgerError
+from ledger.db.session import make_engine, session_factory
+from ledger.errors import Unavailable
+from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
+from ledger.settings import Settings, get_settings
+
+log = logging.getLogger("ledger.api")
+
+
+def _problem_response(body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(body), status_code=body["status"], media_type=MEDIA_TYPE,
+                    headers=headers)
+
+
+class BodyLimitAndMetrics:
+    """Pure ASGI middleware: refuse oversized bodies early, time every request."""
+
+    def __init__(self, app: ASGIApp, max_body: int) -> None:
+        self.app = app
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status_holder = {"status": 500}
+        headers = dict(scope.get("headers") or [])
+        length = headers.get(b"content-length")
+        too_large = problem(413, "too_large",
+                            f"request body exceeds the limit of {self.max_body} bytes")
+        if length is not None:
+            try:
+                declared = int(length)
+            except ValueError:
+                declared = -1
+            if declared > self.max_body or declared < 0:
+                await _problem_response(too_large if declared > 0 else problem(
+                    400, "bad_content_length", "Content-Length is not a number"))(
+                    scope, receive, send)
+                self._observe(scope, 413, start)
+                return
+        received = 0
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body:
+                    raise _BodyTooLarge
+            return message
+
+        async def send_wrapper(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_holder["status"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, send_wrapper)
+        except _BodyTooLarge:
+            await _problem_response(too_large)(scope, receive, send)
+            status_holder["status"] = 413
+        self._observe(scope, status_holder["status"], start)
+
+    @staticmethod
+    def _observe(scope: Scope, status: int, start: float) -> None:
+        route = scope.get("route")
+        path = getattr(route, "path", None) or "unmatched"
+        metrics.REQUEST_LATENCY.labels(scope.get("method", ""), path, str(status)).observe(
+            time.perf_counter() - start)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    engine = engine or make_engine(settings)
+    app = FastAPI(
+        title="inference-ledger",
+        version=__version__,
+        summary="Signed execution envelopes in a tamper-evident transparency log, "
+                "with bitwise replay verification.",
+        openapi_url="/openapi.json",
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.sessionmaker = session_factory(engine)
+
+    @app.exception_handler(LedgerError)
+    async def ledger_error(_: Request, exc: LedgerError) -> Response:
+        headers = None
+        if isinstance(exc, Unavailable):
+            headers = {"Retry-After": str(exc.retry_after)}
+        elif status_for(exc) == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        return _problem_response(problem_for(exc), headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        errors = [{"loc": ".".join(str(p) for p in e.get("loc", ())), "msg": e.get("msg"),
+                   "type": e.get("type")} for e in exc.errors()[:20]]
+        first = errors[0] if errors else {"loc": "", "msg": "invalid"}
+        return _problem_response(problem(422, "invalid_request",
+                                         f"{first['loc']}: {first['msg']}", errors=errors))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return _problem_response(problem(exc.status_code, code, str(exc.detail)),
+                                 getattr(exc, "headers", None))
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(DBAPIError)
+    async def database_error(_: Request, exc: Exception) -> Response:
+        if isinstance(exc, DBAPIError) and not exc.connection_invalidated and not isinstance(
+                exc, OperationalError):
+            log.exception("database error")
+            return _problem_response(problem(500, "internal_error", "database error"))
+        log.warning("database unavailable: %s", type(exc).__name__)
+        return _problem_response(problem(503, "database_unavailable",
+                                         "the database is unavailable; retry later"),
+                                 {"Retry-After": "2"})
+
+    @app.exception_handler(psycopg.OperationalError)
+    async def driver_unavailable(_: Request, exc: Exception) -> Response:
+        log.warning("database unavailable: %s", exc)
+        return _problem_response(problem(503, "database_unavailable",
+                                         "the database is unavailable; retry later"),
+                                 {"Retry-After": "2"})
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> Response:
+        log.exception("unexpected error")
+        return _problem_response(problem(500, "internal_error", "internal error"))
+
+    app.include_router(envelopes.router)
+    app.include_router(keys.router)
+    app.include_router(health.router)
+    app.add_middleware(BodyLimitAndMetrics, max_body=settings.max_request_bytes)
+
+    original_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = original_openapi()
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        comps["Problem"] = Problem.model_json_schema()
+        for name in ("DsseEnvelopeIn", "BatchIn", "DsseSignature"):
+            if name not in comps:
+                from ledger.api import schemas as s
+
+                comps[name] = getattr(s, name).model_json_schema(
+                    ref_template="#/components/schemas/{model}")
+                comps.update(comps[name].pop("$defs", {}))
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

@@ -1,0 +1,62 @@
+"""API-key authentication and the role matrix.
+
+Every route names one permission; :data:`PERMISSIONS` says which roles hold it. The
+role-matrix test walks every route with every role against this table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from ledger.api.deps import get_session, get_settings_dep
+from ledger.errors import Forbidden, Unauthorized
+from ledger.services.apikeys import Principal, authenticate
+from ledger.settings import Settings
+
+ALL_ROLES = frozenset({"ingester", "reviewer", "auditor", "worker", "admin"})
+
+PERMISSIONS: dict[str, frozenset[str]] = {
+    "envelopes:write": frozenset({"ingester"}),
+    "envelopes:read": frozenset({"reviewer", "auditor", "worker", "admin"}),
+    "keys:read": ALL_ROLES,
+    "keys:write": frozenset({"admin"}),
+    "apikeys:admin": frozenset({"admin"}),
+    "audit:read": frozenset({"auditor", "admin"}),
+    "export": frozenset({"auditor", "admin"}),
+    "disputes:read": frozenset({"reviewer", "auditor", "admin"}),
+    "disputes:write": frozenset({"reviewer", "admin"}),
+    "policies:read": frozenset({"reviewer", "auditor", "admin"}),
+    "policies:write": frozenset({"admin"}),
+    "workers:read": frozenset({"reviewer", "auditor", "worker", "admin"}),
+    "workers:write": frozenset({"worker"}),
+}
+
+_bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer lk_...`")
+
+
+def require(permission: str) -> Callable[..., Iterator[Principal]]:
+    roles = PERMISSIONS[permission]
+
+    def dependency(
+        request: Request,
+        creds: HTTPAuthorizationCredentials | None = Depends(_bearer),
+        session: Session = Depends(get_session),
+        settings: Settings = Depends(get_settings_dep),
+    ) -> Iterator[Principal]:
+        if creds is None or creds.scheme.lower() != "bearer" or not creds.credentials:
+            raise Unauthorized("send an API key as `Authorization: Bearer <key>`",
+                               code="missing_api_key")
+        principal = authenticate(session, creds.credentials,
+                                 settings.api_key_pepper.get_secret_value())
+        if principal.role not in roles:
+            raise Forbidden(f"role {principal.role!r} may not {permission}; allowed: "
+                            f"{', '.join(sorted(roles))}", code="forbidden_role")
+        request.state.principal = principal
+        yield principal
+
+    dependency.permission = permission  # type: ignore[attr-defined]
+    return dependency

@@ -1,0 +1,208 @@
+"""/v1/envelopes: ingest (one, batch), get, search, JSON Schema."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+import orjson
+from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+from sqlalchemy.orm import Session
+
+from ledger import metrics
+from ledger.api.auth import require
+from ledger.api.deps import get_session, get_settings_dep
+from ledger.api.schemas import (
+    COMMON_RESPONSES,
+    BatchIn,
+    BatchOut,
+    DsseEnvelopeIn,
+    EnvelopeOut,
+    EnvelopePage,
+    IngestResult,
+)
+from ledger.core import jsonstrict
+from ledger.core.envelope import envelope_json_schema
+from ledger.core.errors import FormatError, ValidationFailed
+from ledger.errors import Conflict
+from ledger.problems import MEDIA_TYPE, problem, problem_for
+from ledger.services import envelopes as envelope_service
+from ledger.services import ingest as ingest_service
+from ledger.services.apikeys import Principal
+from ledger.settings import Settings
+
+router = APIRouter(prefix="/v1", tags=["envelopes"], responses=COMMON_RESPONSES)
+
+def _result_dict(r: ingest_service.ItemResult) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "position": r.position, "status": r.status, "outcome": r.outcome,
+        "request_id": r.request_id, "log_index": r.log_index, "dsse_sha256": r.dsse_sha256,
+        "fingerprint_id": r.fingerprint_id,
+    }
+    if r.existing_dsse_sha256:
+        out["existing_dsse_sha256"] = r.existing_dsse_sha256
+    if r.error is not None:
+        out["problem"] = problem_for(r.error)
+    elif r.status == 409:
+        out["problem"] = problem(409, "request_id_conflict",
+                                 f"request_id {r.request_id!r} is stored with different bytes",
+                                 existing_dsse_sha256=r.existing_dsse_sha256,
+                                 submitted_dsse_sha256=r.dsse_sha256)
+    elif r.status == 424:
+        out["problem"] = problem(424, "batch_aborted",
+                                 "not stored: another item of this atomic batch failed")
+    return out
+
+
+def _count(results: list[ingest_service.ItemResult]) -> None:
+    for r in results:
+        if r.status in (200, 201):
+            metrics.INGESTED.labels(r.outcome).inc()
+        elif r.error is not None:
+            metrics.REJECTED.labels(r.error.code).inc()
+        elif r.status == 409:
+            metrics.REJECTED.labels("request_id_conflict").inc()
+
+
+def _ingest_sync(session: Session, items: list[Any], settings: Settings,
+                 atomic: bool) -> list[ingest_service.ItemResult]:
+    results = ingest_service.ingest(session, items, settings, atomic=atomic)
+    session.commit()
+    return results
+
+
+@router.post(
+    "/envelopes",
+    status_code=201,
+    response_model=IngestResult,
+    summary="Ingest one signed execution envelope",
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/DsseEnvelopeIn"}}}}},
+    responses={200: {"model": IngestResult, "description": "Already stored with these bytes"},
+               409: {"description": "request_id stored with other bytes; both digests given",
+                     "content": COMMON_RESPONSES[400]["content"]}},
+)
+async def ingest_one(
+    request: Request,
+    _: Principal = Depends(require("envelopes:write")),
+    session: Session = Depends(get_session),
+    settings: Settings = Depends(get_settings_dep),
+) -> Response:
+    body = await request.body()
+    if len(body) > settings.max_envelope_bytes:
+        raise ValidationFailed(f"envelope is {len(body)} bytes; the limit is "
+                               f"{settings.max_envelope_bytes}", code="too_large")
+    metrics.BATCH_SIZE.observe(1)
+    results = await run_in_threadpool(_ingest_sync, session, [body], settings, False)
+    _count(results)
+    r = results[0]
+    if r.error is not None:
+        raise r.error
+    if r.status == 409:
+        raise Conflict(
+            f"request_id {r.request_id!r} is already stored with different bytes",
+            code="request_id_conflict", request_id=r.request_id,
+            existing_dsse_sha256=r.existing_dsse_sha256, submitted_dsse_sha256=r.dsse_sha256,
+            log_index=r.log_index)
+    return JSONResponse(_result_dict(r), status_code=r.status)
+
+
+@router.post(
+    "/envelopes/batch",
+    response_model=BatchOut,
+    summary="Ingest many envelopes; a result per item",
+    description=(
+        "Each item is verified and validated on its own. By default the valid items are "
+        "stored together in one transaction and invalid ones are reported per item "
+        "(`status` 4xx with a `problem`). With `atomic=true` any invalid item rejects the "
+        "whole batch with 422 and nothing is written. Repeats of stored envelopes (same "
+        "bytes) are `existing`; other bytes under a stored request_id are `conflict` (409)."),
+    openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": "#/components/schemas/BatchIn"}}}}},
+)
+async def ingest_batch(
+    request: Request,
+    atomic: bool = Query(False, description="All or nothing"),
+    _: Principal = Depends(require("envelopes:write")),
+    session: Session = Depends(get_session),
+    settings: Settings = Depends(get_settings_dep),
+) -> Response:
+    body = await request.body()
+    doc = jsonstrict.loads(body, what="batch body", max_depth=6)
+    if not isinstance(doc, dict) or set(doc) != {"envelopes"} or not isinstance(
+            doc["envelopes"], list):
+        raise FormatError('batch body must be {"envelopes": [<DSSE envelope>, ...]}',
+                          code="malformed_batch")
+    items = doc["envelopes"]
+    if not items:
+        raise FormatError("batch holds no envelopes", code="empty_batch")
+    if len(items) > settings.max_batch_items:
+        raise ValidationFailed(f"batch holds {len(items)} envelopes; the limit is "
+                               f"{settings.max_batch_items}", code="too_many_items")
+    metrics.BATCH_SIZE.observe(len(items))
+    results = await run_in_threadpool(_ingest_sync, session, items, settings, atomic)
+    _count(results)
+    dicts = [_result_dict(r) for r in results]
+    if atomic and any(r.status >= 400 for r in results):
+        failed = [d for d in dicts if d["status"] not in (424,)]
+        body_out = problem(422, "batch_rejected",
+                           f"{len(failed)} of {len(items)} envelopes are invalid; "
+                           "nothing was stored (atomic batch)", results=dicts)
+        return Response(orjson.dumps(body_out), status_code=422, media_type=MEDIA_TYPE)
+    summary = {
+        "created": sum(r.status == 201 for r in results),
+        "existing": sum(r.status == 200 for r in results),
+        "conflicts": sum(r.status == 409 for r in results),
+        "rejected": sum(r.status >= 400 and r.status != 409 for r in results),
+        "results": dicts,
+    }
+    return Response(orjson.dumps(summary), media_type="application/json")
+
+
+@router.get("/envelopes/{request_id}", response_model=EnvelopeOut,
+            summary="One envelope: the stored DSSE bytes verbatim, plus index fields")
+def get_envelope(
+    request_id: Annotated[str, Path(max_length=200, pattern=r"^[A-Za-z0-9._:@/+=-]+$")],
+    _: Principal = Depends(require("envelopes:read")),
+    session: Session = Depends(get_session),
+) -> Response:
+    dsse_bytes, fields = envelope_service.get_envelope(session, request_id)
+    index = orjson.dumps(fields)
+    # The DSSE member is spliced in byte for byte: what was stored is what is served.
+    return Response(b'{"dsse":' + dsse_bytes + b',"index":' + index + b"}",
+                    media_type="application/json")
+
+
+@router.get("/envelopes", response_model=EnvelopePage, summary="Search envelopes")
+def search_envelopes(
+    model_sha256: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
+    model_name: Annotated[str | None, Query(max_length=200)] = None,
+    fingerprint_id: Annotated[str | None, Query(pattern=r"^fp-[0-9a-f]{16}$")] = None,
+    channel: Literal["deterministic", "performance"] | None = None,
+    recorded_after: datetime | None = Query(None, description="inclusive, RFC 3339"),
+    recorded_before: datetime | None = Query(None, description="exclusive, RFC 3339"),
+    order: Literal["asc", "desc"] = "asc",
+    limit: int = Query(100, ge=1, le=1000),
+    cursor: Annotated[str | None, Query(max_length=200)] = None,
+    _: Principal = Depends(require("envelopes:read")),
+    session: Session = Depends(get_session),
+) -> Response:
+    for name, value in (("recorded_after", recorded_after), ("recorded_before", recorded_before)):
+        if value is not None and value.tzinfo is None:
+            raise ValidationFailed(f"{name} needs a UTC offset (RFC 3339)", code="naive_time")
+    filters = envelope_service.SearchFilters(model_sha256, model_name, fingerprint_id, channel,
+                                             recorded_after, recorded_before, order)
+    items, next_cursor = envelope_service.search(session, filters, limit=limit, cursor=cursor)
+    return Response(orjson.dumps({"items": items, "next_cursor": next_cursor}),
+                    media_type="application/json")
+
+
+@router.get("/schemas/envelope", summary="JSON Schema of the envelope statement (v1)",
+            tags=["schemas"])
+def envelope_schema() -> dict[str, Any]:
+    return envelope_json_schema()
+
+
+__all__ = ["router", "DsseEnvelopeIn", "BatchIn"]

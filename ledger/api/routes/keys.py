@@ -1,0 +1,142 @@
+"""/v1/keys (signing keys), /v1/api-keys, /v1/audit-events."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query
+from fastapi.responses import JSONResponse
+from sqlalchemy.orm import Session
+
+from ledger.api.auth import require
+from ledger.api.deps import get_session, get_settings_dep
+from ledger.api.schemas import (
+    COMMON_RESPONSES,
+    ApiKeyCreated,
+    ApiKeyIn,
+    ApiKeyOut,
+    AuditPage,
+    KeyIn,
+    KeyOut,
+    RevokeIn,
+)
+from ledger.core.errors import ValidationFailed
+from ledger.core.keys import parse_public_key
+from ledger.db.models import ApiKey, SigningKey
+from ledger.errors import NotFound
+from ledger.services import apikeys as apikey_service
+from ledger.services import audit
+from ledger.services import keys as key_service
+from ledger.services.apikeys import Principal
+from ledger.settings import Settings
+
+router = APIRouter(prefix="/v1", responses=COMMON_RESPONSES)
+
+
+def key_out(row: SigningKey) -> dict[str, Any]:
+    return {
+        "keyid": row.keyid, "public_key": base64.b64encode(row.public_key).decode(),
+        "purpose": row.purpose, "name": row.name, "status": row.status,
+        "not_before": row.not_before, "not_after": row.not_after, "created_at": row.created_at,
+        "revoked_at": row.revoked_at, "revoked_reason": row.revoked_reason,
+    }
+
+
+def api_key_out(row: ApiKey) -> dict[str, Any]:
+    return {"id": str(row.id), "name": row.name, "role": row.role, "prefix": row.prefix,
+            "created_at": row.created_at, "created_by": row.created_by,
+            "revoked_at": row.revoked_at}
+
+
+@router.post("/keys", response_model=KeyOut, status_code=201, tags=["keys"],
+             summary="Register a producer, worker, log or ledger public key",
+             responses={200: {"model": KeyOut, "description": "Already registered (no change)"},
+                        409: COMMON_RESPONSES[400] | {"description": "Registered differently"}})
+def register_key(body: KeyIn, principal: Principal = Depends(require("keys:write")),
+                 session: Session = Depends(get_session)) -> Any:
+    for field_name in ("not_before", "not_after"):
+        value = getattr(body, field_name)
+        if value is not None and value.tzinfo is None:
+            raise ValidationFailed(f"{field_name} needs a UTC offset", code="naive_time")
+    if body.not_before and body.not_after and body.not_after <= body.not_before:
+        raise ValidationFailed("not_after must be later than not_before", code="bad_window")
+    raw = parse_public_key(body.public_key)
+    row, created = key_service.register_key(session, public_key=raw, purpose=body.purpose,
+                                            name=body.name, not_before=body.not_before,
+                                            not_after=body.not_after)
+    if created:
+        audit.record(session, principal, "key.register", row.keyid, purpose=row.purpose,
+                     name=row.name)
+    session.commit()
+    return JSONResponse(KeyOut(**key_out(row)).model_dump(mode="json"),
+                        status_code=201 if created else 200)
+
+
+@router.get("/keys", response_model=list[KeyOut], tags=["keys"],
+            summary="Signing keys (active and revoked)")
+def list_keys(purpose: str | None = Query(None, pattern="^(producer|worker|log|ledger)$"),
+              _: Principal = Depends(require("keys:read")),
+              session: Session = Depends(get_session)) -> Any:
+    return [key_out(k) for k in key_service.list_keys(session, purpose)]
+
+
+@router.get("/keys/{keyid}", response_model=KeyOut, tags=["keys"])
+def get_key(keyid: str, _: Principal = Depends(require("keys:read")),
+            session: Session = Depends(get_session)) -> Any:
+    row = session.get(SigningKey, keyid)
+    if row is None:
+        raise NotFound(f"no signing key {keyid}")
+    return key_out(row)
+
+
+@router.post("/keys/{keyid}/revoke", response_model=KeyOut, tags=["keys"],
+             summary="Revoke a key: new envelopes signed by it are refused; old ones stay "
+                     "verifiable")
+def revoke_key(keyid: str, body: RevokeIn,
+               principal: Principal = Depends(require("keys:write")),
+               session: Session = Depends(get_session)) -> Any:
+    row = key_service.revoke_key(session, keyid, body.reason)
+    audit.record(session, principal, "key.revoke", keyid, reason=body.reason)
+    session.commit()
+    return key_out(row)
+
+
+@router.post("/api-keys", response_model=ApiKeyCreated, status_code=201, tags=["api-keys"],
+             responses={409: COMMON_RESPONSES[400] | {"description": "Name in use"}})
+def create_api_key(body: ApiKeyIn, principal: Principal = Depends(require("apikeys:admin")),
+                   session: Session = Depends(get_session),
+                   settings: Settings = Depends(get_settings_dep)) -> Any:
+    row, secret = apikey_service.create_api_key(
+        session, name=body.name, role=body.role,
+        pepper=settings.api_key_pepper.get_secret_value(), created_by=principal.name)
+    audit.record(session, principal, "api_key.create", str(row.id), name=row.name,
+                 role=row.role)
+    session.commit()
+    return {**api_key_out(row), "key": secret}
+
+
+@router.get("/api-keys", response_model=list[ApiKeyOut], tags=["api-keys"])
+def list_api_keys(_: Principal = Depends(require("apikeys:admin")),
+                  session: Session = Depends(get_session)) -> Any:
+    return [api_key_out(r) for r in apikey_service.list_api_keys(session)]
+
+
+@router.post("/api-keys/{key_id}/revoke", response_model=ApiKeyOut, tags=["api-keys"])
+def revoke_api_key(key_id: str, principal: Principal = Depends(require("apikeys:admin")),
+                   session: Session = Depends(get_session)) -> Any:
+    row = apikey_service.revoke_api_key(session, key_id)
+    audit.record(session, principal, "api_key.revoke", key_id)
+    session.commit()
+    return api_key_out(row)
+
+
+@router.get("/audit-events", response_model=AuditPage, tags=["audit"],
+            summary="The append-only record of admin and reviewer actions")
+def list_audit_events(after: int = Query(0, ge=0, le=2**62), limit: int = Query(100, ge=1, le=1000),
+                      _: Principal = Depends(require("audit:read")),
+                      session: Session = Depends(get_session)) -> Any:
+    rows = audit.list_events(session, after_id=after, limit=limit)
+    items = [{"id": r.id, "at": r.at, "actor": r.actor, "role": r.role, "action": r.action,
+              "target": r.target, "details": r.details} for r in rows]
+    return {"items": items, "next_after": rows[-1].id if len(rows) == limit else None}

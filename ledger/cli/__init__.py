@@ -1,0 +1,1 @@
+"""The ``ledger`` command line (Typer + rich)."""

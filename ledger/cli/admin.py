@@ -1,0 +1,175 @@
+"""`ledger db upgrade`, `ledger serve`, `ledger keys ...`, `ledger apikey ...`."""
+
+from __future__ import annotations
+
+import base64
+import os
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Optional
+
+import httpx
+import typer
+
+from ledger.cli.common import DatabaseUrlOption, console, out, settings_with, write_private_file
+from ledger.core import keys as corekeys
+
+db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
+keys_app = typer.Typer(help="Ed25519 signing keys: generate locally, register with the ledger.",
+                       no_args_is_help=True)
+apikey_app = typer.Typer(help="API keys for the REST API.", no_args_is_help=True)
+
+LOCAL_ADMIN = ("local-cli", "local-cli", "admin")
+
+
+@db_app.command("upgrade")
+def db_upgrade(database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045 - typer
+               revision: str = typer.Option("head", help="Target revision.")) -> None:
+    """Apply migrations up to REVISION (the only way the schema is made)."""
+    from ledger.db.session import upgrade
+
+    settings = settings_with(database_url)
+    upgrade(settings.database_url, revision)
+    console.print(f"[green]database at {revision}[/green]")
+
+
+def serve_command(
+    host: str = typer.Option("127.0.0.1", help="Interface to bind."),
+    port: int = typer.Option(8000, help="TCP port."),
+    workers: int = typer.Option(1, help="Server processes."),
+    database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
+    log_level: str = typer.Option("warning", help="uvicorn log level."),
+) -> None:
+    """Run the REST API (uvicorn)."""
+    import uvicorn
+
+    if database_url:
+        os.environ["LEDGER_DATABASE_URL"] = database_url
+    if workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="ledger-metrics-")
+    uvicorn.run("ledger.api.main:app", host=host, port=port, workers=workers,
+                log_level=log_level, access_log=False, timeout_graceful_shutdown=10)
+
+
+@keys_app.command("generate")
+def keys_generate(
+    out_path: Annotated[Path, typer.Option("--out", help="Private key file (PEM, mode 0600).")],
+    force: bool = typer.Option(False, help="Overwrite an existing file."),
+) -> None:
+    """Make an Ed25519 key pair; the private key goes to a 0600 file, never to stdout."""
+    key = corekeys.generate_private_key()
+    write_private_file(out_path, corekeys.private_pem(key), force=force)
+    pub_path = out_path.with_suffix(out_path.suffix + ".pub")
+    pub_path.write_bytes(corekeys.public_pem(key))
+    raw = corekeys.public_raw(key)
+    console.print(f"private key: {out_path} (0600)\npublic key:  {pub_path}")
+    out.print_json(data={"keyid": corekeys.key_id(raw),
+                         "public_key": base64.b64encode(raw).decode()})
+
+
+def _public_from_file(path: Path) -> bytes:
+    data = path.read_bytes()
+    if b"PRIVATE KEY" in data:
+        return corekeys.public_raw(corekeys.load_private_pem(data))
+    return corekeys.parse_public_key(data.decode())
+
+
+@keys_app.command("register")
+def keys_register(
+    key_file: Annotated[Path, typer.Argument(help="Public key (PEM/base64) or private key PEM.")],
+    purpose: str = typer.Option(..., help="producer | worker | log | ledger"),
+    name: str = typer.Option(..., help="Who holds the key (e.g. gateway-eu-1)."),
+    not_before: Optional[datetime] = typer.Option(None, help="RFC 3339; default now."),  # noqa: UP045
+    not_after: Optional[datetime] = typer.Option(None, help="RFC 3339; default open."),  # noqa: UP045
+    via_api: bool = typer.Option(False, "--api", help="Use the REST API (LEDGER_API_URL, "
+                                 "LEDGER_API_KEY with role admin) instead of the database."),
+    database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
+) -> None:
+    """Register a public key with the ledger (admin)."""
+    raw = _public_from_file(key_file)
+    settings = settings_with(database_url)
+    if via_api:
+        if settings.api_key is None:
+            console.print("[red]set LEDGER_API_KEY to an admin API key[/red]")
+            raise typer.Exit(2)
+        body = {"public_key": base64.b64encode(raw).decode(), "purpose": purpose, "name": name,
+                "not_before": not_before.isoformat() if not_before else None,
+                "not_after": not_after.isoformat() if not_after else None}
+        resp = httpx.post(f"{settings.api_url}/v1/keys", json=body, timeout=30,
+                          headers={"Authorization":
+                                   f"Bearer {settings.api_key.get_secret_value()}"})
+        if resp.status_code >= 400:
+            console.print(f"[red]{resp.status_code}: {resp.text}[/red]")
+            raise typer.Exit(1)
+        out.print_json(resp.text)
+        return
+    from ledger.db.session import make_engine, session_scope
+    from ledger.services import audit
+    from ledger.services import keys as key_service
+    from ledger.services.apikeys import Principal
+
+    engine = make_engine(settings)
+    with session_scope(engine) as session:
+        row, created = key_service.register_key(session, public_key=raw, purpose=purpose,
+                                                name=name, not_before=not_before,
+                                                not_after=not_after)
+        if created:
+            audit.record(session, Principal(*LOCAL_ADMIN), "key.register", row.keyid,
+                         purpose=purpose, name=name)
+        keyid, status = row.keyid, row.status
+    engine.dispose()
+    out.print_json(data={"keyid": keyid, "purpose": purpose, "name": name, "status": status,
+                         "created": created})
+
+
+@keys_app.command("revoke")
+def keys_revoke(keyid: str, reason: str = typer.Option(..., help="Why (kept in the audit)."),
+                database_url: Optional[str] = DatabaseUrlOption) -> None:  # noqa: UP045
+    """Revoke a signing key (new envelopes signed by it are refused)."""
+    from ledger.db.session import make_engine, session_scope
+    from ledger.services import audit
+    from ledger.services import keys as key_service
+    from ledger.services.apikeys import Principal
+
+    engine = make_engine(settings_with(database_url))
+    with session_scope(engine) as session:
+        key_service.revoke_key(session, keyid, reason)
+        audit.record(session, Principal(*LOCAL_ADMIN), "key.revoke", keyid, reason=reason)
+    engine.dispose()
+    console.print(f"[yellow]revoked {keyid}[/yellow]")
+
+
+@apikey_app.command("create")
+def apikey_create(
+    role: str = typer.Option(..., help="ingester | reviewer | auditor | worker | admin"),
+    name: str = typer.Option(..., help="A unique name for the key."),
+    database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
+) -> None:
+    """Create an API key directly in the database; the key is printed once, alone on the
+    last line of standard output."""
+    from ledger.db.session import make_engine, session_scope
+    from ledger.services import audit
+    from ledger.services.apikeys import ROLES, Principal, create_api_key
+
+    if role not in ROLES:
+        console.print(f"[red]role must be one of {', '.join(ROLES)}[/red]")
+        raise typer.Exit(2)
+    settings = settings_with(database_url)
+    engine = make_engine(settings)
+    with session_scope(engine) as session:
+        row, secret = create_api_key(session, name=name, role=role,
+                                     pepper=settings.api_key_pepper.get_secret_value(),
+                                     created_by="local-cli")
+        audit.record(session, Principal(*LOCAL_ADMIN), "api_key.create", str(row.id),
+                     name=name, role=role)
+    engine.dispose()
+    console.print(f"API key {name!r} ({role}); it is shown only once:")
+    print(secret)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(db_app, name="db")
+    app.add_typer(keys_app, name="keys")
+    app.add_typer(apikey_app, name="apikey")
+    app.command("serve")(serve_command)

@@ -1,0 +1,31 @@
+"""Entry point of the ``ledger`` command.
+
+Each group of commands lives in its own module and registers itself here. Modules that
+need torch (the engine) import it lazily inside their commands, so ``ledger --help`` and
+every ledger/API command run without torch installed.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from ledger.cli import admin as admin_cli
+from ledger.cli import engine as engine_cli
+
+app = typer.Typer(
+    name="ledger",
+    help="inference-ledger: signed execution envelopes, a transparency log, bitwise replay.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+
+admin_cli.register(app)
+engine_cli.register(app)
+
+
+def main() -> None:  # pragma: no cover - console script shim
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

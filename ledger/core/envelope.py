@@ -1,0 +1,278 @@
+"""The execution envelope: an in-toto Statement v1 whose predicate records one inference.
+
+``predicateType`` is ``urn:inference-ledger:envelope:v1``. The statement travels as the
+payload of a DSSE envelope (see :mod:`ledger.core.dsse`); ``docs/envelope.md`` documents
+every field for third-party producers and ``ledger/schemas/envelope-v1.schema.json`` is
+its JSON Schema (generated from these models; a test keeps the file current).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    model_validator,
+)
+
+from ledger.core import jsonstrict
+from ledger.core.errors import ValidationFailed
+from ledger.core.fingerprint import fingerprint_id
+
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+ENVELOPE_PREDICATE_TYPE = "urn:inference-ledger:envelope:v1"
+
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="lowercase hex SHA-256")]
+RequestId = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=200,
+        pattern=r"^[A-Za-z0-9._:@/+=-]+$",
+        description="Caller's unique request ID: 1-200 of A-Z a-z 0-9 . _ : @ / + = -",
+    ),
+]
+TokenId = Annotated[int, Field(ge=0, description="a token ID; at most the ledger's max_token_id")]
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+ShortStr = Annotated[str, Field(min_length=1, max_length=200)]
+OptShortStr = Annotated[str | None, Field(default=None, max_length=200)]
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_prompt_tokens: int = 262_144
+    max_output_tokens: int = 65_536
+    max_token_id: int = 16_777_215
+    max_top_logprobs: int = 20
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True)
+
+
+class Subject(_Model):
+    name: ShortStr
+    digest: dict[Annotated[str, Field(pattern=r"^[a-z0-9-]{1,32}$")], Annotated[
+        str, Field(pattern=r"^[0-9a-f]{32,128}$")]] = Field(min_length=1, max_length=8)
+
+
+class Artifacts(_Model):
+    model_sha256: Sha256Hex = Field(description="Model directory hash (docs/envelope.md#artifact-hash)")
+    tokenizer_sha256: Sha256Hex | None = None
+    chat_template_sha256: Sha256Hex | None = None
+    model_name: ShortStr
+
+
+class Sampling(_Model):
+    temperature: FiniteFloat = Field(ge=0.0, le=100.0, description="0 = greedy")
+    top_p: FiniteFloat = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, le=1_000_000, description="0 or -1 = disabled")
+    min_p: FiniteFloat = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: FiniteFloat = Field(default=1.0, gt=0.0, le=100.0)
+    presence_penalty: FiniteFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: FiniteFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    max_tokens: int = Field(ge=1, description="at most the ledger's max_output_tokens")
+    seed: int | None = Field(default=None, ge=0, le=2**53 - 1,
+                             description="I-JSON safe integer (RFC 7493): at most 2**53 - 1")
+    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
+    ignore_eos: bool = False
+    logprobs: int | None = Field(default=None, ge=0, description="top-k logprobs recorded per step")
+
+
+class Runtime(BaseModel):
+    """Fields that change numerics (hashed into ``fingerprint_id``) plus informational extras."""
+
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+
+    engine: ShortStr
+    engine_version: ShortStr
+    device: ShortStr = Field(description='"cpu" or "cuda"')
+    dtype: ShortStr = Field(description='"float32", "bfloat16" or "float16"')
+    batch_invariant: bool
+    torch_version: OptShortStr
+    cuda_version: OptShortStr
+    cublas_version: OptShortStr
+    driver_version: OptShortStr
+    gpu_name: OptShortStr
+    compute_capability: OptShortStr
+    device_count: int | None = Field(default=None, ge=0, le=4096)
+    tensor_parallel_size: int | None = Field(default=None, ge=1, le=4096)
+    attention_backend: OptShortStr
+    quantization: OptShortStr
+    cpu_isa: OptShortStr
+    cpu_threads: int | None = Field(default=None, ge=1, le=65536)
+    engine_flags: dict[Annotated[str, Field(max_length=200)],
+                       Annotated[str, Field(max_length=1000)] | int | float | bool | None] = (
+        Field(default_factory=dict, max_length=256))
+
+
+class TopLogprob(_Model):
+    token_id: TokenId
+    logprob: FiniteFloat
+
+
+class Output(_Model):
+    token_ids: list[TokenId]
+    finish_reason: Literal["stop", "length", "abort"]
+    logprobs: list[FiniteFloat] | None = Field(
+        default=None, description="chosen token's logprob per step (same length as token_ids)")
+    top_logprobs: list[list[TopLogprob]] | None = None
+    logits_sha256: list[Sha256Hex] | None = Field(
+        default=None, description="SHA-256 of the fp32 logits row per step, little-endian")
+
+
+class Tolerance(_Model):
+    max_abs_logprob_diff: FiniteFloat = Field(ge=0.0, le=100.0)
+
+
+class EnvelopePredicate(_Model):
+    request_id: RequestId
+    recorded_at: Annotated[AwareDatetime, Field(strict=False,
+                                                description="RFC 3339 time with offset")]
+    channel: Literal["deterministic", "performance"]
+    tier: Literal["bitwise", "token", "tolerance"]
+    tolerance: Tolerance | None = None
+    artifacts: Artifacts
+    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    sampling: Sampling
+    runtime: Runtime
+    output: Output
+
+    @model_validator(mode="after")
+    def _check_limits(self, info: ValidationInfo) -> EnvelopePredicate:
+        limits: Limits = (info.context or {}).get("limits") or Limits()
+        _check_tokens(self.prompt_token_ids, limits.max_prompt_tokens, limits.max_token_id,
+                      "prompt_token_ids")
+        _check_tokens(self.output.token_ids, limits.max_output_tokens, limits.max_token_id,
+                      "output.token_ids")
+        _check_tokens(self.sampling.stop_token_ids, 1024, limits.max_token_id,
+                      "sampling.stop_token_ids")
+        if self.sampling.max_tokens > limits.max_output_tokens:
+            raise ValueError(f"sampling.max_tokens exceeds the limit {limits.max_output_tokens}")
+        if self.sampling.logprobs is not None and self.sampling.logprobs > limits.max_top_logprobs:
+            raise ValueError(f"sampling.logprobs exceeds the limit {limits.max_top_logprobs}")
+        n = len(self.output.token_ids)
+        if n > self.sampling.max_tokens:
+            raise ValueError("output.token_ids is longer than sampling.max_tokens")
+        for name in ("logprobs", "top_logprobs", "logits_sha256"):
+            seq = getattr(self.output, name)
+            if seq is not None and len(seq) != n:
+                raise ValueError(f"output.{name} has {len(seq)} entries for {n} output tokens")
+        if self.output.top_logprobs is not None:
+            for step in self.output.top_logprobs:
+                if len(step) > limits.max_top_logprobs:
+                    raise ValueError("a step of output.top_logprobs exceeds the top-k limit")
+                for entry in step:
+                    if entry.token_id > limits.max_token_id:
+                        raise ValueError("output.top_logprobs holds an out-of-range token ID")
+        if (self.tier == "tolerance") != (self.tolerance is not None):
+            raise ValueError('tolerance is required for tier "tolerance" and only then')
+        return self
+
+
+def _check_tokens(ids: list[int], max_len: int, max_id: int, name: str) -> None:
+    if len(ids) > max_len:
+        raise ValueError(f"{name} has {len(ids)} tokens; the limit is {max_len}")
+    if ids and max(ids) > max_id:
+        raise ValueError(f"{name} holds token ID {max(ids)} above the limit {max_id}")
+
+
+class EnvelopeStatement(_Model):
+    """An in-toto Statement v1 carrying an :class:`EnvelopePredicate`."""
+
+    model_config = ConfigDict(strict=True, extra="forbid", frozen=True, populate_by_name=True,
+                              title="inference-ledger execution envelope statement v1")
+
+    type_: Literal["https://in-toto.io/Statement/v1"] = Field(alias="_type")
+    subject: list[Subject] = Field(min_length=1, max_length=16)
+    predicateType: Literal["urn:inference-ledger:envelope:v1"]  # noqa: N815 - in-toto name
+    predicate: EnvelopePredicate
+
+    @model_validator(mode="after")
+    def _check_subject(self) -> EnvelopeStatement:
+        first = self.subject[0]
+        if first.name != self.predicate.request_id:
+            raise ValueError("subject[0].name must equal predicate.request_id")
+        want = output_digest(self.predicate.output.token_ids)
+        if first.digest.get("sha256") != want:
+            raise ValueError(
+                "subject[0].digest.sha256 must be the SHA-256 of the output token IDs "
+                "as a JSON array without spaces (docs/envelope.md#subject)")
+        return self
+
+
+def output_digest(token_ids: list[int]) -> str:
+    """SHA-256 of the output token IDs written as ``[1,2,3]`` (RFC 8785 form of the list)."""
+    return hashlib.sha256(("[" + ",".join(map(str, token_ids)) + "]").encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class IndexFields:
+    """The envelope fields the ledger stores as columns for search."""
+
+    request_id: str
+    recorded_at: datetime
+    channel: str
+    tier: str
+    model_sha256: str
+    model_name: str
+    fingerprint_id: str
+    prompt_tokens: int
+    output_tokens: int
+
+
+def parse_statement(payload: bytes, limits: Limits | None = None) -> EnvelopeStatement:
+    """Parse a DSSE payload (already signature-checked) into a validated statement."""
+    obj = jsonstrict.loads(payload, what="envelope payload")
+    if isinstance(obj, dict) and obj.get("predicateType") != ENVELOPE_PREDICATE_TYPE:
+        raise ValidationFailed(
+            f"predicateType must be {ENVELOPE_PREDICATE_TYPE!r}, got {obj.get('predicateType')!r}",
+            code="wrong_predicate_type",
+        )
+    return validate_statement(obj, limits)
+
+
+def validate_statement(obj: Any, limits: Limits | None = None) -> EnvelopeStatement:
+    try:
+        return EnvelopeStatement.model_validate(obj, context={"limits": limits or Limits()})
+    except ValidationError as exc:
+        errors: list[dict[str, object]] = [
+            {"loc": ".".join(str(p) for p in e["loc"]), "msg": e["msg"], "type": e["type"]}
+            for e in exc.errors(include_url=False, include_input=False)[:20]
+        ]
+        first = errors[0] if errors else {"loc": "", "msg": "invalid"}
+        raise ValidationFailed(
+            f"envelope payload is invalid at {first['loc'] or '(root)'}: {first['msg']}",
+            code="invalid_envelope",
+            errors=errors,
+        ) from None
+
+
+def index_fields(statement: EnvelopeStatement) -> IndexFields:
+    p = statement.predicate
+    return IndexFields(
+        request_id=p.request_id,
+        recorded_at=p.recorded_at,
+        channel=p.channel,
+        tier=p.tier,
+        model_sha256=p.artifacts.model_sha256,
+        model_name=p.artifacts.model_name,
+        fingerprint_id=fingerprint_id(p.runtime.model_dump(mode="json")),
+        prompt_tokens=len(p.prompt_token_ids),
+        output_tokens=len(p.output.token_ids),
+    )
+
+
+def envelope_json_schema() -> dict[str, Any]:
+    schema = EnvelopeStatement.model_json_schema(by_alias=True)
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "urn:inference-ledger:envelope:v1:schema"
+    return schema

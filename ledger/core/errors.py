@@ -1,0 +1,122 @@
+"""One tree of errors for the whole core.
+
+Verification never returns a bool a caller could ignore: it returns ``None`` or raises one
+of these. The API maps each to a problem+json response in one place
+(``ledger.api.problems``), using ``code`` as the stable machine-readable reason.
+"""
+
+from __future__ import annotations
+
+
+class LedgerError(Exception):
+    """Base of every error the core raises."""
+
+    code: str = "ledger_error"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if code is not None:
+            self.code = code
+
+
+class FormatError(LedgerError):
+    """Bytes that do not parse as the format they claim to be."""
+
+    code = "malformed"
+
+
+class ValidationFailed(LedgerError):
+    """A well-formed record whose content breaks the contract (types, ranges, limits)."""
+
+    code = "invalid"
+
+    def __init__(self, message: str, *, code: str | None = None,
+                 errors: list[dict[str, object]] | None = None) -> None:
+        super().__init__(message, code=code)
+        self.errors = errors or []
+
+
+class VerificationError(LedgerError):
+    """A cryptographic or structural check failed: signature, proof, checkpoint."""
+
+    code = "verification_failed"
+
+
+class SignatureError(VerificationError):
+    code = "bad_signature"
+
+
+class KeyError_(VerificationError):
+    """Unknown, revoked, expired or not-yet-valid key, or a key of the wrong purpose."""
+
+    code = "bad_key"
+
+
+class ProofError(VerificationError):
+    """An inclusion or consistency proof does not verify."""
+
+    code = "bad_proof"
+
+
+class InclusionProofError(ProofError):
+    code = "bad_inclusion_proof"
+
+
+class ConsistencyProofError(ProofError):
+    code = "bad_consistency_proof"
+
+
+class CheckpointError(VerificationError):
+    code = "bad_checkpoint"
+
+
+# --- transparency log (ledger.core.merkle, ledger.core.tiles, ledger.core.note) ---
+
+
+class TreeRangeError(ValidationFailed):
+    """A proof or tile was asked for outside the tree: index >= size, old size > new size."""
+
+    code = "bad_tree_range"
+
+
+class TileFormatError(FormatError):
+    """A malformed tile path, tile data of the wrong length or a malformed entry bundle."""
+
+    code = "malformed_tile"
+
+
+class TileNotFoundError(LedgerError):
+    """A :class:`ledger.core.tiles.TileReader` does not have a tile the tree needs."""
+
+    code = "tile_not_found"
+
+
+class MalformedNoteError(CheckpointError):
+    """Bytes that are not a C2SP signed note, or a key string that does not parse."""
+
+    code = "malformed_note"
+
+
+class NoteSignatureError(CheckpointError):
+    """A signature by a known key (name and key ID match) does not verify."""
+
+    code = "bad_note_signature"
+
+
+class UnverifiedNoteError(CheckpointError):
+    """A well-formed note that no known key has signed."""
+
+    code = "unverified_note"
+
+
+class MalformedCheckpointError(CheckpointError):
+    """A note text that is not a C2SP tlog-checkpoint body."""
+
+    code = "malformed_checkpoint"
+
+
+class CheckpointOriginError(CheckpointError):
+    """A checkpoint from another log: its origin line is not the configured log name."""
+
+    code = "wrong_checkpoint_origin"

@@ -1,0 +1,85 @@
+"""Ed25519 keys: generation, serialisation and key IDs.
+
+A key ID is the lowercase hex SHA-256 of the 32-byte raw Ed25519 public key. Producers put
+it in each DSSE signature's ``keyid``; the ledger looks keys up by it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from ledger.core.errors import FormatError, SignatureError
+
+
+def key_id(public_key_raw: bytes) -> str:
+    if len(public_key_raw) != 32:
+        raise FormatError("an Ed25519 public key is 32 bytes")
+    return hashlib.sha256(public_key_raw).hexdigest()
+
+
+def generate_private_key() -> Ed25519PrivateKey:
+    return Ed25519PrivateKey.generate()
+
+
+def public_raw(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
+    pub = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    return pub.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def private_pem(key: Ed25519PrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def public_pem(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
+    pub = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
+    return pub.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+def load_private_pem(data: bytes) -> Ed25519PrivateKey:
+    try:
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as exc:
+        raise FormatError(f"not a PEM private key: {exc}") from exc
+    if not isinstance(key, Ed25519PrivateKey):
+        raise FormatError("the private key is not Ed25519")
+    return key
+
+
+def parse_public_key(text: str) -> bytes:
+    """Raw 32-byte public key from PEM (SubjectPublicKeyInfo) or base64 of the raw bytes."""
+    text = text.strip()
+    if text.startswith("-----BEGIN"):
+        try:
+            key = serialization.load_pem_public_key(text.encode())
+        except ValueError as exc:
+            raise FormatError(f"not a PEM public key: {exc}") from exc
+        if not isinstance(key, Ed25519PublicKey):
+            raise FormatError("the public key is not Ed25519")
+        return public_raw(key)
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise FormatError("public key must be PEM or base64 of the 32 raw bytes") from exc
+    if len(raw) != 32:
+        raise FormatError(f"an Ed25519 public key is 32 bytes, got {len(raw)}")
+    return raw
+
+
+def verify_ed25519(public_key_raw: bytes, message: bytes, signature: bytes) -> None:
+    """Return None when ``signature`` is valid, else raise :class:`SignatureError`."""
+    try:
+        Ed25519PublicKey.from_public_bytes(public_key_raw).verify(signature, message)
+    except InvalidSignature as exc:
+        raise SignatureError("Ed25519 signature does not verify") from exc
+    except ValueError as exc:
+        raise SignatureError(f"unusable public key or signature: {exc}") from exc

@@ -1,0 +1,48 @@
+"""Log entries: the bytes each transparency-log leaf commits to.
+
+Every leaf of the log is a small canonical JSON object that names a stored DSSE envelope
+by its SHA-256, so the log can be published (tiles, entry bundles) without publishing
+prompts, and every entry fits the 65,535-byte limit of a tlog-tiles entry bundle:
+
+    {"dsse_sha256":"<hex>","kind":"envelope","ref":"<request_id>"}
+
+``kind`` is ``envelope``, ``verdict`` or ``dispute_event``; ``ref`` names the record
+(a request ID, a verdict ID, a dispute event ID). The leaf hash is
+``SHA-256(0x00 || entry)`` (RFC 9162).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Literal
+
+from ledger.core import jsonstrict
+from ledger.core.canonical import canonical_json
+from ledger.core.errors import FormatError
+
+EntryKind = Literal["envelope", "verdict", "dispute_event"]
+KINDS: frozenset[str] = frozenset({"envelope", "verdict", "dispute_event"})
+
+
+def log_entry_bytes(kind: str, ref: str, dsse_sha256: str) -> bytes:
+    """The one function that makes a leaf's entry bytes."""
+    if kind not in KINDS:
+        raise FormatError(f"unknown log entry kind {kind!r}")
+    return canonical_json({"dsse_sha256": dsse_sha256, "kind": kind, "ref": ref})
+
+
+def parse_log_entry(entry: bytes) -> tuple[str, str, str]:
+    """(kind, ref, dsse_sha256) of an entry; raises FormatError if it is not canonical."""
+    obj = jsonstrict.loads(entry, what="log entry", max_depth=2)
+    if not isinstance(obj, dict) or set(obj) != {"dsse_sha256", "kind", "ref"}:
+        raise FormatError("log entry must hold exactly dsse_sha256, kind and ref")
+    kind, ref, digest = obj["kind"], obj["ref"], obj["dsse_sha256"]
+    if not all(isinstance(v, str) for v in (kind, ref, digest)):
+        raise FormatError("log entry fields must be strings")
+    if log_entry_bytes(kind, ref, digest) != entry:
+        raise FormatError("log entry is not in canonical form")
+    return kind, ref, digest
+
+
+def dsse_digest(dsse_bytes: bytes) -> str:
+    return hashlib.sha256(dsse_bytes).hexdigest()

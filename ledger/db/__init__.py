@@ -1,0 +1,1 @@
+"""Postgres storage: SQLAlchemy 2 models, engine/session factory, migrations runner."""

@@ -1,0 +1,158 @@
+"""Tables. The schema itself is created only by Alembic migrations (``migrations/``);
+these declarations must match them (a test compares the two).
+
+Append-only tables (``APPEND_ONLY_TABLES``) are protected twice: the application role
+``ledger_app`` has only SELECT and INSERT on them, and triggers reject UPDATE, DELETE and
+TRUNCATE for everyone, owners included.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    Text,
+    func,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+APPEND_ONLY_TABLES = ("log_entries", "envelopes", "audit_events")
+APP_ROLE = "ledger_app"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+def _now() -> Any:
+    return mapped_column(DateTime(timezone=True), nullable=False, server_default=func.now())
+
+
+class LogState(Base):
+    """One row: how many entries have been sequenced (the next log index)."""
+
+    __tablename__ = "log_state"
+    id: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    __table_args__ = (CheckConstraint("id = 1", name="single_row"),
+                      CheckConstraint("size >= 0", name="size_nonnegative"))
+
+
+class LogEntry(Base):
+    """A leaf of the transparency log, in sequence order (gap-free from 0)."""
+
+    __tablename__ = "log_entries"
+    idx: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    kind: Mapped[str] = mapped_column(Text, nullable=False)
+    ref: Mapped[str] = mapped_column(Text, nullable=False)
+    entry: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    leaf_hash: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    created_at: Mapped[datetime] = _now()
+    __table_args__ = (CheckConstraint("idx >= 0", name="idx_nonnegative"),
+                      CheckConstraint("octet_length(leaf_hash) = 32", name="leaf_hash_len"))
+
+
+class Envelope(Base):
+    """A signed execution envelope: the DSSE bytes as stored, plus index columns."""
+
+    __tablename__ = "envelopes"
+    log_index: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("log_entries.idx"), primary_key=True, autoincrement=False)
+    request_id: Mapped[str] = mapped_column(Text, nullable=False, unique=True)
+    dsse: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    dsse_sha256: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    keyids: Mapped[list[str]] = mapped_column(ARRAY(Text), nullable=False)
+    model_sha256: Mapped[str] = mapped_column(Text, nullable=False)
+    model_name: Mapped[str] = mapped_column(Text, nullable=False)
+    fingerprint_id: Mapped[str] = mapped_column(Text, nullable=False)
+    channel: Mapped[str] = mapped_column(Text, nullable=False)
+    tier: Mapped[str] = mapped_column(Text, nullable=False)
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
+    output_tokens: Mapped[int] = mapped_column(Integer, nullable=False)
+    ingested_at: Mapped[datetime] = _now()
+    __table_args__ = (
+        Index("ix_envelopes_model_sha256_log_index", "model_sha256", "log_index"),
+        Index("ix_envelopes_fingerprint_id_log_index", "fingerprint_id", "log_index"),
+        Index("ix_envelopes_channel_log_index", "channel", "log_index"),
+        Index("ix_envelopes_recorded_at", "recorded_at"),
+        Index("ix_envelopes_prompt_tokens", "prompt_tokens"),
+        Index("ix_envelopes_output_tokens", "output_tokens"),
+    )
+
+
+class SigningKey(Base):
+    """An Ed25519 public key the ledger trusts for one purpose, with a validity window."""
+
+    __tablename__ = "signing_keys"
+    keyid: Mapped[str] = mapped_column(Text, primary_key=True)
+    public_key: Mapped[bytes] = mapped_column(LargeBinary, nullable=False, unique=True)
+    purpose: Mapped[str] = mapped_column(Text, nullable=False)
+    name: Mapped[str] = mapped_column(Text, nullable=False)
+    status: Mapped[str] = mapped_column(Text, nullable=False, server_default="active")
+    not_before: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False,
+                                                 server_default=func.now())
+    not_after: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = _now()
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    revoked_reason: Mapped[str | None] = mapped_column(Text)
+    __table_args__ = (
+        CheckConstraint("purpose IN ('producer', 'worker', 'log', 'ledger')", name="purpose"),
+        CheckConstraint("status IN ('active', 'revoked')", name="status"),
+        CheckConstraint("octet_length(public_key) = 32", name="public_key_len"),
+    )
+
+
+class ApiKey(Base):
+    """An API key, stored as HMAC-SHA256(pepper, key); the key itself is shown once."""
+
+    __tablename__ = "api_keys"
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    name: Mapped[str] = mapped_column(Text, nullable=False)
+    role: Mapped[str] = mapped_column(Text, nullable=False)
+    prefix: Mapped[str] = mapped_column(Text, nullable=False)
+    key_hash: Mapped[bytes] = mapped_column(LargeBinary, nullable=False, unique=True)
+    created_at: Mapped[datetime] = _now()
+    created_by: Mapped[str | None] = mapped_column(Text)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    __table_args__ = (
+        CheckConstraint("role IN ('ingester', 'reviewer', 'auditor', 'worker', 'admin')",
+                        name="role"),
+        Index("uq_api_keys_active_name", "name", unique=True,
+              postgresql_where="revoked_at IS NULL"),
+    )
+
+
+class AuditEvent(Base):
+    """Append-only record of every admin and reviewer action."""
+
+    __tablename__ = "audit_events"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = _now()
+    actor: Mapped[str] = mapped_column(Text, nullable=False)
+    role: Mapped[str] = mapped_column(Text, nullable=False)
+    action: Mapped[str] = mapped_column(Text, nullable=False)
+    target: Mapped[str | None] = mapped_column(Text)
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False,
+                                                    server_default="{}")
+    __table_args__ = (Index("ix_audit_events_at", "at"),)

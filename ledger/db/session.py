@@ -1,0 +1,98 @@
+"""Engine and session factories; the migrations runner.
+
+One session per request or task; services only ``flush()``; the boundary (the request
+dependency, the task, the CLI command) commits or rolls back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+from importlib import resources
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.orm import Session, sessionmaker
+
+from ledger.settings import Settings, get_settings
+
+
+def make_engine(settings: Settings | None = None, *, url: str | None = None,
+                pool_size: int | None = None) -> Engine:
+    settings = settings or get_settings()
+    engine = create_engine(
+        url or settings.database_url,
+        pool_size=pool_size or settings.db_pool_size,
+        max_overflow=settings.db_pool_size,
+        pool_pre_ping=True,
+        pool_recycle=1800,
+        connect_args={"connect_timeout": 5},
+    )
+    role = settings.database_role
+    if role:
+        @event.listens_for(engine, "connect")
+        def _set_role(dbapi_conn: Any, _record: Any) -> None:
+            with dbapi_conn.cursor() as cur:
+                cur.execute(f'SET ROLE "{role}"')
+            dbapi_conn.commit()
+    return engine
+
+
+@lru_cache(maxsize=4)
+def _cached_engine(url: str) -> Engine:
+    return make_engine(url=url)
+
+
+def get_engine() -> Engine:
+    return _cached_engine(get_settings().database_url)
+
+
+def session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(bind=engine, expire_on_commit=False, autoflush=False)
+
+
+@contextmanager
+def session_scope(engine: Engine) -> Iterator[Session]:
+    """Commit on success, roll back on any exception."""
+    session = session_factory(engine)()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+# --- migrations ------------------------------------------------------------------------
+
+def alembic_config(url: str) -> Config:
+    script_location = str(resources.files("ledger.migrations"))
+    cfg = Config()
+    cfg.set_main_option("script_location", script_location)
+    cfg.attributes["database_url"] = url
+    return cfg
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    command.upgrade(alembic_config(url), revision)
+
+
+def head_revision(url: str) -> str | None:
+    return ScriptDirectory.from_config(alembic_config(url)).get_current_head()
+
+
+def current_revision(engine: Engine) -> str | None:
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def ping(engine: Engine) -> None:
+    with engine.connect() as conn:
+        conn.execute(text("SELECT 1"))

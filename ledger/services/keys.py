@@ -1,0 +1,105 @@
+"""Signing keys the ledger trusts: register, revoke, look up for verification."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from ledger.core.errors import KeyError_
+from ledger.core.keys import key_id
+from ledger.db.models import SigningKey
+from ledger.errors import Conflict, NotFound
+
+PURPOSES = ("producer", "worker", "log", "ledger")
+
+
+def register_key(session: Session, *, public_key: bytes, purpose: str, name: str,
+                 not_before: datetime | None = None,
+                 not_after: datetime | None = None) -> tuple[SigningKey, bool]:
+    """Register a public key; (row, created). The same registration again is a no-op."""
+    kid = key_id(public_key)
+    existing = session.get(SigningKey, kid)
+    if existing is not None:
+        same = (existing.purpose == purpose and existing.name == name
+                and (not_before is None or existing.not_before == not_before)
+                and existing.not_after == not_after)
+        if not same:
+            raise Conflict(f"key {kid} is already registered with other attributes",
+                           code="key_exists", keyid=kid)
+        return existing, False
+    row = SigningKey(keyid=kid, public_key=public_key, purpose=purpose, name=name,
+                     status="active", not_after=not_after)
+    if not_before is not None:
+        row.not_before = not_before
+    session.add(row)
+    session.flush()
+    session.refresh(row)
+    return row, True
+
+
+def revoke_key(session: Session, keyid: str, reason: str) -> SigningKey:
+    row = session.get(SigningKey, keyid, with_for_update=True)
+    if row is None:
+        raise NotFound(f"no signing key {keyid}")
+    if row.status != "revoked":
+        row.status = "revoked"
+        row.revoked_at = datetime.now(UTC)
+        row.revoked_reason = reason
+        session.flush()
+    return row
+
+
+def list_keys(session: Session, purpose: str | None = None) -> list[SigningKey]:
+    stmt = select(SigningKey).order_by(SigningKey.created_at, SigningKey.keyid)
+    if purpose:
+        stmt = stmt.where(SigningKey.purpose == purpose)
+    return list(session.scalars(stmt))
+
+
+@dataclass(frozen=True, slots=True)
+class TrustedKey:
+    keyid: str
+    public_key: bytes
+    purpose: str
+    status: str
+    not_before: datetime
+    not_after: datetime | None
+
+
+class KeyRing:
+    """Keys loaded for one verification; ``public_key_for`` raises with the exact reason."""
+
+    def __init__(self, keys: Iterable[TrustedKey], *, purpose: str, now: datetime) -> None:
+        self._keys = {k.keyid: k for k in keys}
+        self._purpose = purpose
+        self._now = now
+
+    def public_key_for(self, keyid: str) -> bytes:
+        key = self._keys.get(keyid)
+        if key is None:
+            raise KeyError_(f"signing key {keyid} is not registered", code="unknown_key")
+        if key.purpose != self._purpose:
+            raise KeyError_(f"key {keyid} is a {key.purpose} key, not a {self._purpose} key",
+                            code="wrong_key_purpose")
+        if key.status == "revoked":
+            raise KeyError_(f"signing key {keyid} is revoked", code="revoked_key")
+        if self._now < key.not_before:
+            raise KeyError_(f"signing key {keyid} is not valid before "
+                            f"{key.not_before.isoformat()}", code="key_not_yet_valid")
+        if key.not_after is not None and self._now >= key.not_after:
+            raise KeyError_(f"signing key {keyid} expired at {key.not_after.isoformat()}",
+                            code="key_expired")
+        return key.public_key
+
+
+def load_keyring(session: Session, keyids: Iterable[str], *, purpose: str) -> KeyRing:
+    ids = sorted(set(keyids))
+    rows = session.execute(
+        select(SigningKey.keyid, SigningKey.public_key, SigningKey.purpose, SigningKey.status,
+               SigningKey.not_before, SigningKey.not_after).where(SigningKey.keyid.in_(ids))
+    ).all() if ids else []
+    return KeyRing((TrustedKey(*r) for r in rows), purpose=purpose, now=datetime.now(UTC))

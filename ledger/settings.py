@@ -1,0 +1,58 @@
+"""The one settings object. Nothing else in the code base reads ``os.environ``.
+
+Every field is read from an environment variable named ``LEDGER_<FIELD>`` (upper case),
+e.g. ``LEDGER_DATABASE_URL``, ``LEDGER_BROKER_URL``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LEDGER_", extra="ignore")
+
+    # --- connections -------------------------------------------------------------------
+    database_url: str = Field(
+        default="postgresql+psycopg://postgres@127.0.0.1:5432/ledger",
+        description="SQLAlchemy URL of the ledger database (psycopg 3 driver).",
+    )
+    database_role: str | None = Field(
+        default=None,
+        description="If set, every connection runs SET ROLE to this role (e.g. ledger_app), "
+        "so the API works with only the grants that role has.",
+    )
+    db_pool_size: int = 10
+    broker_url: str = "redis://127.0.0.1:6379/0"
+    api_url: str = Field(default="http://127.0.0.1:8000",
+                         description="Where CLI commands that talk to the API find it.")
+    api_key: SecretStr | None = Field(default=None, description="API key for CLI commands.")
+
+    # --- service -----------------------------------------------------------------------
+    log_name: str = Field(
+        default="inference-ledger.example/log",
+        description="Origin line of every checkpoint (C2SP tlog-checkpoint).",
+    )
+    data_dir: Path = Field(default=Path(".ledger"), description="Local state: keys, spool.")
+    api_key_pepper: SecretStr = Field(
+        default=SecretStr(""),
+        description="Server secret mixed into API-key hashes (HMAC-SHA256). Set it in production.",
+    )
+
+    # --- input limits ------------------------------------------------------------------
+    max_envelope_bytes: int = 4 * 1024 * 1024        # one DSSE envelope (JSON), as received
+    max_request_bytes: int = 64 * 1024 * 1024        # one HTTP body (batch ingest)
+    max_batch_items: int = 1000
+    max_prompt_tokens: int = 262_144
+    max_output_tokens: int = 65_536
+    max_token_id: int = 16_777_215                   # 2**24 - 1: larger than any real vocab
+    max_top_logprobs: int = 20
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    return Settings()
