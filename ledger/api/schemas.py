@@ -8,6 +8,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+# Free text from clients: no control characters (PostgreSQL text cannot hold NUL at all).
+SAFE_TEXT = r"^[^\x00-\x1f\x7f]*$"
+
+
 class Problem(BaseModel):
     """RFC 9457 problem details."""
 
@@ -109,7 +113,7 @@ class KeyIn(BaseModel):
     public_key: str = Field(description="PEM (SubjectPublicKeyInfo) or base64 of the raw 32 bytes",
                             max_length=2000)
     purpose: Literal["producer", "worker", "log", "ledger"]
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1, max_length=200, pattern=SAFE_TEXT)
     not_before: datetime | None = None
     not_after: datetime | None = None
 
@@ -129,12 +133,12 @@ class KeyOut(BaseModel):
 
 class RevokeIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reason: str = Field(min_length=1, max_length=1000)
+    reason: str = Field(min_length=1, max_length=1000, pattern=SAFE_TEXT)
 
 
 class ApiKeyIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1, max_length=200)
+    name: str = Field(min_length=1, max_length=200, pattern=SAFE_TEXT)
     role: Literal["ingester", "reviewer", "auditor", "worker", "admin"]
 
 

@@ -113,6 +113,18 @@ class Runtime(BaseModel):
                        Annotated[str, Field(max_length=1000)] | int | float | bool | None] = (
         Field(default_factory=dict, max_length=256))
 
+    @model_validator(mode="after")
+    def _extras_are_scalars(self) -> Runtime:
+        extras = self.model_extra or {}
+        if len(extras) > 64:
+            raise ValueError("runtime holds more than 64 informational fields")
+        for name, value in extras.items():
+            if len(name) > 100 or not (value is None or isinstance(value, (bool, int, float))
+                                       or (isinstance(value, str) and len(value) <= 1000)):
+                raise ValueError(f"informational runtime field {name!r} must be a JSON "
+                                 "scalar (strings up to 1000 characters)")
+        return self
+
 
 class TopLogprob(_Model):
     token_id: TokenId

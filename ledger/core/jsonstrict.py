@@ -27,35 +27,14 @@ def _reject_constant(name: str) -> Any:
     raise FormatError(f"{name} is not valid JSON", code="malformed_json")
 
 
-def _depth_ok(data: bytes, limit: int) -> None:
-    """Cheap nesting check on the raw bytes: brackets inside strings are skipped."""
-    depth = 0
-    in_string = False
-    escaped = False
-    # Fast path: documents with few brackets are common (DSSE wrappers, payloads).
-    if data.count(b"[") + data.count(b"{") <= limit:
-        return
-    for byte in data:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == 0x5C:  # backslash
-                escaped = True
-            elif byte == 0x22:
-                in_string = False
-        elif byte == 0x22:
-            in_string = True
-        elif byte in (0x5B, 0x7B):
-            depth += 1
-            if depth > limit:
-                raise FormatError(f"JSON nested deeper than {limit} levels", code="too_deep")
-        elif byte in (0x5D, 0x7D):
-            depth -= 1
-
-
 def loads(data: bytes, *, what: str = "document", max_depth: int = MAX_DEPTH) -> Any:
-    """Parse ``data`` strictly or raise :class:`FormatError` saying what was wrong."""
-    _depth_ok(data, max_depth)
+    """Parse ``data`` strictly or raise :class:`FormatError` saying what was wrong.
+
+    Nesting is bounded in two steps: the C parser raises RecursionError long before the
+    stack is at risk, and the parsed value's container depth is then checked against
+    ``max_depth`` (cheaply: only containers are visited, never the items of a list of
+    numbers).
+    """
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -70,8 +49,28 @@ def loads(data: bytes, *, what: str = "document", max_depth: int = MAX_DEPTH) ->
         raise FormatError(f"{what} is nested too deeply", code="too_deep") from exc
     except ValueError as exc:  # JSONDecodeError, or an integer with too many digits
         raise FormatError(f"{what} is not valid JSON: {exc}", code="malformed_json") from exc
-    _check_surrogates(value)
+    if b"\\ud" in data or b"\\uD" in data:  # only escapes can produce lone surrogates
+        _check_surrogates(value)
+    _check_depth(value, max_depth)
     return value
+
+
+def _check_depth(value: Any, limit: int) -> None:
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            raise FormatError(f"JSON nested deeper than {limit} levels", code="too_deep")
+        if isinstance(item, dict):
+            children = item.values()
+        else:
+            # A list of numbers (token IDs, logprobs) is the common case: tell it apart at
+            # C speed instead of visiting every item in Python.
+            kinds = set(map(type, item))
+            if dict not in kinds and list not in kinds:
+                continue
+            children = item
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def _check_surrogates(value: Any) -> None:

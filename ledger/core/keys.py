@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+from functools import lru_cache
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -75,10 +76,15 @@ def parse_public_key(text: str) -> bytes:
     return raw
 
 
+@lru_cache(maxsize=4096)
+def _public_key(public_key_raw: bytes) -> Ed25519PublicKey:
+    return Ed25519PublicKey.from_public_bytes(public_key_raw)
+
+
 def verify_ed25519(public_key_raw: bytes, message: bytes, signature: bytes) -> None:
     """Return None when ``signature`` is valid, else raise :class:`SignatureError`."""
     try:
-        Ed25519PublicKey.from_public_bytes(public_key_raw).verify(signature, message)
+        _public_key(public_key_raw).verify(signature, message)
     except InvalidSignature as exc:
         raise SignatureError("Ed25519 signature does not verify") from exc
     except ValueError as exc:

@@ -178,14 +178,14 @@ def get_envelope(
 @router.get("/envelopes", response_model=EnvelopePage, summary="Search envelopes")
 def search_envelopes(
     model_sha256: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
-    model_name: Annotated[str | None, Query(max_length=200)] = None,
+    model_name: Annotated[str | None, Query(max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$")] = None,
     fingerprint_id: Annotated[str | None, Query(pattern=r"^fp-[0-9a-f]{16}$")] = None,
     channel: Literal["deterministic", "performance"] | None = None,
     recorded_after: datetime | None = Query(None, description="inclusive, RFC 3339"),
     recorded_before: datetime | None = Query(None, description="exclusive, RFC 3339"),
     order: Literal["asc", "desc"] = "asc",
     limit: int = Query(100, ge=1, le=1000),
-    cursor: Annotated[str | None, Query(max_length=200)] = None,
+    cursor: Annotated[str | None, Query(max_length=200, pattern=r"^[A-Za-z0-9_-]*$")] = None,
     _: Principal = Depends(require("envelopes:read")),
     session: Session = Depends(get_session),
 ) -> Response:

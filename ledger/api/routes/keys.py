@@ -5,7 +5,9 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import JSONResponse
 from sqlalchemy.orm import Session
 
@@ -32,6 +34,9 @@ from ledger.services.apikeys import Principal
 from ledger.settings import Settings
 
 router = APIRouter(prefix="/v1", responses=COMMON_RESPONSES)
+
+KeyIdPath = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="hex SHA-256 of the key")]
+ApiKeyIdPath = Annotated[str, Path(max_length=64, pattern=r"^[0-9a-fA-F-]+$")]
 
 
 def key_out(row: SigningKey) -> dict[str, Any]:
@@ -82,7 +87,7 @@ def list_keys(purpose: str | None = Query(None, pattern="^(producer|worker|log|l
 
 
 @router.get("/keys/{keyid}", response_model=KeyOut, tags=["keys"])
-def get_key(keyid: str, _: Principal = Depends(require("keys:read")),
+def get_key(keyid: KeyIdPath, _: Principal = Depends(require("keys:read")),
             session: Session = Depends(get_session)) -> Any:
     row = session.get(SigningKey, keyid)
     if row is None:
@@ -93,7 +98,7 @@ def get_key(keyid: str, _: Principal = Depends(require("keys:read")),
 @router.post("/keys/{keyid}/revoke", response_model=KeyOut, tags=["keys"],
              summary="Revoke a key: new envelopes signed by it are refused; old ones stay "
                      "verifiable")
-def revoke_key(keyid: str, body: RevokeIn,
+def revoke_key(keyid: KeyIdPath, body: RevokeIn,
                principal: Principal = Depends(require("keys:write")),
                session: Session = Depends(get_session)) -> Any:
     row = key_service.revoke_key(session, keyid, body.reason)
@@ -123,7 +128,7 @@ def list_api_keys(_: Principal = Depends(require("apikeys:admin")),
 
 
 @router.post("/api-keys/{key_id}/revoke", response_model=ApiKeyOut, tags=["api-keys"])
-def revoke_api_key(key_id: str, principal: Principal = Depends(require("apikeys:admin")),
+def revoke_api_key(key_id: ApiKeyIdPath, principal: Principal = Depends(require("apikeys:admin")),
                    session: Session = Depends(get_session)) -> Any:
     row = apikey_service.revoke_api_key(session, key_id)
     audit.record(session, principal, "api_key.revoke", key_id)
