@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ledger.core.errors import FormatError, LedgerError, ValidationFailed, VerificationError
+from ledger.core.errors import (
+    FormatError,
+    LedgerError,
+    TileNotFoundError,
+    ValidationFailed,
+    VerificationError,
+)
 from ledger.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized, Unavailable
 
 PROBLEM_TYPE_PREFIX = "urn:inference-ledger:problem:"
@@ -13,6 +19,7 @@ MEDIA_TYPE = "application/problem+json"
 _STATUS_BY_CLASS: tuple[tuple[type[LedgerError], int], ...] = (
     (Unavailable, 503),
     (NotFound, 404),
+    (TileNotFoundError, 404),
     (Conflict, 409),
     (Unauthorized, 401),
     (Forbidden, 403),

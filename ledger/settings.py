@@ -37,6 +37,21 @@ class Settings(BaseSettings):
         default="inference-ledger.example/log",
         description="Origin line of every checkpoint (C2SP tlog-checkpoint).",
     )
+    log_key_file: Path | None = Field(
+        default=None,
+        description="Ed25519 private key (PEM) that signs checkpoints. Without it the log "
+        "is not integrated by this process.",
+    )
+    integrate_in_api: bool = Field(
+        default=True, description="Run the integrator in API processes (one at a time).")
+    integrate_max_entries: int = Field(default=20_000, ge=1, le=1_000_000,
+                                       description="Most entries folded into one checkpoint.")
+    integrate_interval_ms: int = Field(default=200, ge=1,
+                                       description="Longest wait before pending entries "
+                                       "are integrated.")
+    checkpoint_sink_dir: Path | None = Field(
+        default=None, description="Directory that receives a write-once copy of every "
+        "checkpoint (outside the database).")
     data_dir: Path = Field(default=Path(".ledger"), description="Local state: keys, spool.")
     api_key_pepper: SecretStr = Field(
         default=SecretStr(""),

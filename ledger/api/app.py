@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import orjson
@@ -24,9 +26,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ledger import __version__, metrics
 from ledger.api.routes import envelopes, health, keys
+from ledger.api.routes import log as log_routes
 from ledger.api.schemas import Problem
 from ledger.core.errors import LedgerError
-from ledger.db.session import make_engine, session_factory
+from ledger.db.session import make_engine, session_factory, session_scope
+from ledger.log.integrator import IntegratorThread
+from ledger.log.signer import LogSigner
+from ledger.log.sink import sink_from_settings
 from ledger.errors import Unavailable
 from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
 from ledger.settings import Settings, get_settings
@@ -34,7 +40,7 @@ from ledger.settings import Settings, get_settings
 log = logging.getLogger("ledger.api")
 
 #: Every router of the API, in inclusion order (the role-matrix test walks these).
-ROUTERS = [envelopes.router, keys.router, health.router]
+ROUTERS = [envelopes.router, log_routes.router, keys.router, health.router]
 
 
 def _problem_response(body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
@@ -105,10 +111,39 @@ class _BodyTooLarge(Exception):
     pass
 
 
+def start_integrator(settings: Settings, engine: Engine) -> IntegratorThread | None:
+    """Run the integrator in this API process when it holds the log key (processes take
+    turns: one integrates at a time)."""
+    signer = LogSigner.from_settings(settings)
+    if signer is None or not settings.integrate_in_api:
+        return None
+    try:
+        with session_scope(engine) as session:
+            signer.ensure_registered(session)
+    except Exception as exc:  # noqa: BLE001 - the database may be down at start-up
+        log.warning("could not register the log key yet: %s", exc)
+    thread = IntegratorThread(engine, signer, max_entries=settings.integrate_max_entries,
+                              interval_ms=settings.integrate_interval_ms,
+                              sink=sink_from_settings(settings.checkpoint_sink_dir))
+    thread.start()
+    return thread
+
+
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
     settings = settings or get_settings()
     engine = engine or make_engine(settings)
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        integrator = start_integrator(settings, engine)
+        app.state.integrator = integrator
+        try:
+            yield
+        finally:
+            if integrator is not None:
+                integrator.stop()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="inference-ledger",
         version=__version__,
         summary="Signed execution envelopes in a tamper-evident transparency log, "

@@ -11,6 +11,7 @@ import typer
 
 from ledger.cli import admin as admin_cli
 from ledger.cli import engine as engine_cli
+from ledger.cli import log as log_cli
 
 app = typer.Typer(
     name="ledger",
@@ -21,6 +22,7 @@ app = typer.Typer(
 
 admin_cli.register(app)
 engine_cli.register(app)
+log_cli.register(app)
 
 
 def main() -> None:  # pragma: no cover - console script shim

@@ -36,8 +36,8 @@ RequestId = Annotated[
     Field(
         min_length=1,
         max_length=200,
-        pattern=r"^[A-Za-z0-9._:@/+=-]+$",
-        description="Caller's unique request ID: 1-200 of A-Z a-z 0-9 . _ : @ / + = -",
+        pattern=r"^[A-Za-z0-9._:@+=-]+$",
+        description="Caller's unique request ID: 1-200 of A-Z a-z 0-9 . _ : @ + = -",
     ),
 ]
 TokenId = Annotated[int, Field(ge=0, description="a token ID; at most the ledger's max_token_id")]

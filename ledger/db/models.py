@@ -36,7 +36,7 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-APPEND_ONLY_TABLES = ("log_entries", "envelopes", "audit_events")
+APPEND_ONLY_TABLES = ("log_entries", "envelopes", "audit_events", "checkpoints")
 APP_ROLE = "ledger_app"
 
 
@@ -156,3 +156,36 @@ class AuditEvent(Base):
     details: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False,
                                                     server_default="{}")
     __table_args__ = (Index("ix_audit_events_at", "at"),)
+
+
+class LogTree(Base):
+    """One row: the integrated tree (size and root) that the latest checkpoint signs."""
+
+    __tablename__ = "log_tree"
+    id: Mapped[int] = mapped_column(SmallInteger, primary_key=True)
+    size: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    root_hash: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    updated_at: Mapped[datetime] = _now()
+    __table_args__ = (CheckConstraint("id = 1", name="single_row"),
+                      CheckConstraint("size >= 0", name="size_nonnegative"))
+
+
+class TileRow(Base):
+    """C2SP tlog-tiles data: the widest version of each (level, index) tile."""
+
+    __tablename__ = "tiles"
+    level: Mapped[int] = mapped_column(SmallInteger, primary_key=True, autoincrement=False)
+    idx: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    data: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    __table_args__ = (CheckConstraint("octet_length(data) BETWEEN 32 AND 8192 "
+                                      "AND octet_length(data) % 32 = 0", name="data_len"),)
+
+
+class CheckpointRow(Base):
+    """Every checkpoint the log has published (append-only)."""
+
+    __tablename__ = "checkpoints"
+    tree_size: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    root_hash: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    note: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    created_at: Mapped[datetime] = _now()

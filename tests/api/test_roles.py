@@ -37,7 +37,7 @@ def _routes() -> list[tuple[str, str, str | None]]:
     # nothing the application serves escapes the walk
     app = create_app(Settings(database_url="postgresql+psycopg://nobody@127.0.0.1:1/none"))
     served = {(m.upper(), p) for p, ops in app.openapi()["paths"].items() for m in ops}
-    assert served == {(m, p) for m, p, _ in out}
+    assert served == {(m, p.replace(":path}", "}")) for m, p, _ in out}
     return out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -27,6 +29,8 @@ from ledger.core import jsonstrict
 from ledger.core.envelope import envelope_json_schema
 from ledger.core.errors import FormatError, ValidationFailed
 from ledger.errors import Conflict
+from ledger.log import proofs
+from ledger.log.integrator import integrate_once
 from ledger.problems import MEDIA_TYPE, problem, problem_for
 from ledger.services import envelopes as envelope_service
 from ledger.services import ingest as ingest_service
@@ -86,6 +90,9 @@ def _ingest_sync(session: Session, items: list[Any], settings: Settings,
 )
 async def ingest_one(
     request: Request,
+    wait: bool = Query(False, description="Wait until the entry is integrated and return a "
+                       "receipt (inclusion proof + signed checkpoint)"),
+    timeout: float = Query(5.0, gt=0, le=60, description="Seconds to wait for the receipt"),
     _: Principal = Depends(require("envelopes:write")),
     session: Session = Depends(get_session),
     settings: Settings = Depends(get_settings_dep),
@@ -106,7 +113,35 @@ async def ingest_one(
             code="request_id_conflict", request_id=r.request_id,
             existing_dsse_sha256=r.existing_dsse_sha256, submitted_dsse_sha256=r.dsse_sha256,
             log_index=r.log_index)
-    return JSONResponse(_result_dict(r), status_code=r.status)
+    body = _result_dict(r)
+    if wait and r.log_index is not None:
+        receipts = await _receipts(request, session, [r.log_index], timeout)
+        body["receipt"] = receipts[0] if receipts else None
+    return JSONResponse(body, status_code=r.status)
+
+
+async def _receipts(request: Request, session: Session, indices: list[int],
+                    timeout: float) -> list[dict[str, Any]] | None:
+    """Inclusion proofs of ``indices`` against one checkpoint, once it covers them all;
+    None if that did not happen within ``timeout`` seconds (the entries stay stored)."""
+    deadline = time.monotonic() + timeout
+    integrator = getattr(request.app.state, "integrator", None)
+    needed = max(indices)
+    while True:
+        if integrator is not None:
+            await run_in_threadpool(integrate_once, request.app.state.engine, integrator.signer,
+                                    max_entries=integrator.max_entries, sink=integrator.sink)
+        try:
+            first = await run_in_threadpool(proofs.inclusion, session, needed)
+            size = first.tree_size
+            out = [await run_in_threadpool(proofs.inclusion, session, i, size) for i in indices]
+            session.commit()
+            return [o.to_json() for o in out]
+        except proofs.NotYetIntegrated:
+            session.rollback()
+            if time.monotonic() >= deadline:
+                return None
+            await asyncio.sleep(0.02)
 
 
 @router.post(
@@ -125,6 +160,8 @@ async def ingest_one(
 async def ingest_batch(
     request: Request,
     atomic: bool = Query(False, description="All or nothing"),
+    wait: bool = Query(False, description="Wait for integration; add a receipt per item"),
+    timeout: float = Query(5.0, gt=0, le=60, description="Seconds to wait for receipts"),
     _: Principal = Depends(require("envelopes:write")),
     session: Session = Depends(get_session),
     settings: Settings = Depends(get_settings_dep),
@@ -151,6 +188,12 @@ async def ingest_batch(
                            f"{len(failed)} of {len(items)} envelopes are invalid; "
                            "nothing was stored (atomic batch)", results=dicts)
         return Response(orjson.dumps(body_out), status_code=422, media_type=MEDIA_TYPE)
+    stored = [(d, r.log_index) for d, r in zip(dicts, results, strict=True)
+              if r.status in (200, 201) and r.log_index is not None]
+    if wait and stored:
+        receipts = await _receipts(request, session, [i for _, i in stored], timeout)
+        for (d, _), receipt in zip(stored, receipts or [None] * len(stored), strict=True):
+            d["receipt"] = receipt
     summary = {
         "created": sum(r.status == 201 for r in results),
         "existing": sum(r.status == 200 for r in results),
@@ -164,7 +207,7 @@ async def ingest_batch(
 @router.get("/envelopes/{request_id}", response_model=EnvelopeOut,
             summary="One envelope: the stored DSSE bytes verbatim, plus index fields")
 def get_envelope(
-    request_id: Annotated[str, Path(max_length=200, pattern=r"^[A-Za-z0-9._:@/+=-]+$")],
+    request_id: Annotated[str, Path(max_length=200, pattern=r"^[A-Za-z0-9._:@+=-]+$")],
     _: Principal = Depends(require("envelopes:read")),
     session: Session = Depends(get_session),
 ) -> Response:

@@ -1,0 +1,161 @@
+"""The transparency log over HTTP.
+
+- ``/log/checkpoint`` and ``/log/tile/...``: the C2SP tlog-tiles read paths (public), so
+  tooling written for Tessera and the Go checksum database reads this log as it is.
+- ``/v1/log/checkpoint``, ``/v1/log/consistency``, ``/v1/envelopes/{request_id}/proof``:
+  the same data as JSON.
+
+Entries are small reference records (kind, ref, DSSE digest), never prompts, so the log
+itself can be public; envelopes stay behind the API's roles.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi.responses import Response, StreamingResponse
+from sqlalchemy.orm import Session
+
+from ledger.api.auth import require
+from ledger.api.deps import get_session
+from ledger.api.schemas import COMMON_RESPONSES
+from ledger.core.note import format_verifier_key
+from ledger.core.tiles import EntryBundle, Tile, encode_entry_bundle, parse_tile_path, tile_width
+from ledger.core.errors import ValidationFailed
+from ledger.errors import NotFound
+from ledger.log import proofs
+from ledger.log.export import Selection, bundle_lines
+from ledger.log.store import PgTileReader, entries, latest_checkpoint
+from ledger.services import audit
+from ledger.services import envelopes as envelope_service
+from ledger.services.apikeys import Principal
+
+router = APIRouter(responses=COMMON_RESPONSES)
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}$")
+IMMUTABLE = {"Cache-Control": "public, max-age=31536000, immutable"}
+NO_CACHE = {"Cache-Control": "no-cache"}
+
+
+def _cursor(session: Session) -> Any:
+    conn = session.connection().connection.driver_connection
+    assert conn is not None
+    return conn.cursor()
+
+
+def _integrated_size(cur: Any) -> int:
+    cur.execute("SELECT size FROM log_tree WHERE id = 1")
+    row = cur.fetchone()
+    return int(row[0]) if row else 0
+
+
+@router.get("/log/checkpoint", tags=["tlog-tiles"], response_class=Response,
+            summary="The latest signed checkpoint (C2SP tlog-checkpoint signed note)",
+            responses={200: {"content": {"text/plain; charset=utf-8": {}}}})
+def tlog_checkpoint(session: Session = Depends(get_session)) -> Response:
+    with _cursor(session) as cur:
+        cp = latest_checkpoint(cur)
+    if cp is None:
+        raise proofs.NotYetIntegrated("the log has no checkpoint yet")
+    return Response(cp.note, media_type="text/plain; charset=utf-8", headers=NO_CACHE)
+
+
+@router.get("/log/tile/{path:path}", tags=["tlog-tiles"], response_class=Response,
+            summary="A hash tile or an entry bundle (C2SP tlog-tiles)",
+            responses={200: {"content": {"application/octet-stream": {}}}})
+def tlog_tile(path: Annotated[str, Path(max_length=200)],
+              session: Session = Depends(get_session)) -> Response:
+    tile = parse_tile_path("tile/" + path)
+    with _cursor(session) as cur:
+        size = _integrated_size(cur)
+        level = tile.level if isinstance(tile, Tile) else 0
+        available = tile_width(level, tile.index, size)
+        if tile.width > available or (tile.width == 256 and available < 256):
+            raise NotFound(f"{tile.path} is not in the tree of size {size}",
+                           code="no_such_tile")
+        if isinstance(tile, EntryBundle):
+            start = tile.index * 256
+            data = encode_entry_bundle(entries(cur, start, start + tile.width))
+        else:
+            data = PgTileReader(cur).read_tiles([tile])[0]
+    headers = IMMUTABLE if tile.width == 256 or not tile.is_partial else NO_CACHE
+    return Response(data, media_type="application/octet-stream", headers=headers)
+
+
+@router.get("/v1/log/checkpoint", tags=["log"],
+            summary="The latest checkpoint as JSON, with the log's verifier keys")
+def checkpoint_json(session: Session = Depends(get_session)) -> dict[str, Any]:
+    from ledger.log.signer import log_verifiers
+
+    with _cursor(session) as cur:
+        cp = latest_checkpoint(cur)
+    if cp is None:
+        raise proofs.NotYetIntegrated("the log has no checkpoint yet")
+    origin = cp.note.decode().split("\n", 1)[0]
+    keys = [format_verifier_key(v.name, v.public_key) for v in log_verifiers(session, origin)]
+    import base64
+
+    return {"tree_size": cp.tree_size, "root_hash": base64.b64encode(cp.root_hash).decode(),
+            "checkpoint": cp.note.decode(), "origin": origin, "verifier_keys": keys}
+
+
+@router.get("/v1/log/consistency", tags=["log"],
+            summary="Consistency proof between two tree sizes (RFC 9162 2.1.4)")
+def log_consistency(
+    from_size: int = Query(..., alias="from", ge=0, le=2**62),
+    to_size: int | None = Query(None, alias="to", ge=0, le=2**62,
+                                description="a checkpointed size; default the latest"),
+    session: Session = Depends(get_session),
+) -> dict[str, Any]:
+    return proofs.consistency(session, from_size, to_size)
+
+
+@router.get("/v1/envelopes/{request_id}/proof", tags=["envelopes"],
+            summary="Inclusion proof of an envelope against a signed checkpoint")
+def envelope_proof(
+    request_id: Annotated[str, Path(max_length=200, pattern=r"^[A-Za-z0-9._:@+=-]+$")],
+    tree_size: int | None = Query(None, ge=1, le=2**62,
+                                  description="a checkpointed size; default the latest"),
+    _: Principal = Depends(require("envelopes:read")),
+    session: Session = Depends(get_session),
+) -> dict[str, Any]:
+    _, fields = envelope_service.get_envelope(session, request_id)
+    receipt = proofs.inclusion(session, fields["log_index"], tree_size)
+    return {"request_id": request_id, **receipt.to_json()}
+
+
+@router.get("/v1/export", tags=["export"], response_class=StreamingResponse,
+            summary="Export a bundle that `ledger verify` checks offline (JSON Lines)",
+            responses={200: {"content": {"application/x-ndjson": {}}}})
+def export_bundle(
+    request: Request,
+    recorded_after: datetime | None = Query(None, description="inclusive, RFC 3339"),
+    recorded_before: datetime | None = Query(None, description="exclusive, RFC 3339"),
+    model_sha256: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
+    fingerprint_id: Annotated[str | None, Query(pattern=r"^fp-[0-9a-f]{16}$")] = None,
+    request_id: Annotated[list[str] | None, Query(
+        max_length=1000, description="repeatable")] = None,
+    limit: int | None = Query(None, ge=1, le=1_000_000),
+    principal: Principal = Depends(require("export")),
+    session: Session = Depends(get_session),
+) -> StreamingResponse:
+    for name, value in (("recorded_after", recorded_after), ("recorded_before", recorded_before)):
+        if value is not None and value.tzinfo is None:
+            raise ValidationFailed(f"{name} needs a UTC offset (RFC 3339)", code="naive_time")
+    for rid in request_id or []:
+        if not _REQUEST_ID.fullmatch(rid):
+            raise ValidationFailed(f"request_id {rid[:50]!r} is not a valid request ID",
+                                   code="invalid_request")
+    selection = Selection(recorded_after, recorded_before, model_sha256, fingerprint_id,
+                          tuple(request_id or ()), limit)
+    audit.record(session, principal, "export", None, selection=selection.to_json())
+    lines = bundle_lines(request.app.state.engine, selection)
+    first = next(lines)  # errors (no checkpoint yet) surface as problems, not broken streams
+    session.commit()
+    return StreamingResponse(itertools.chain([first], lines), media_type="application/x-ndjson",
+                             headers={"Content-Disposition":
+                                      'attachment; filename="ledger-bundle.jsonl"'})

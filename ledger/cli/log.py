@@ -1,0 +1,225 @@
+"""`ledger integrate`, `ledger audit`, `ledger export`, `ledger verify`."""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from ledger.cli.common import DatabaseUrlOption, console, out, settings_with
+
+VERIFY_CHUNK = 2_000
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeRemainingColumn(), console=console, transient=True)
+
+
+def integrate_command(
+    once: bool = typer.Option(False, help="Integrate what is pending, then exit."),
+    database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
+) -> None:
+    """Run the integrator (needs LEDGER_LOG_KEY_FILE): fold sequenced entries into the tree
+    and publish signed checkpoints."""
+    from ledger.db.session import make_engine, session_scope
+    from ledger.log.integrator import integrate_all
+    from ledger.log.signer import LogSigner
+    from ledger.log.sink import sink_from_settings
+
+    settings = settings_with(database_url)
+    signer = LogSigner.from_settings(settings)
+    if signer is None:
+        console.print("[red]set LEDGER_LOG_KEY_FILE to the log's private key (PEM)[/red]")
+        raise typer.Exit(2)
+    engine = make_engine(settings, pool_size=1)
+    with session_scope(engine) as session:
+        signer.ensure_registered(session)
+    sink = sink_from_settings(settings.checkpoint_sink_dir)
+    while True:
+        done = integrate_all(engine, signer, max_entries=settings.integrate_max_entries,
+                             sink=sink)
+        if done:
+            console.print(f"checkpoint {done[-1].tree_size} ({sum(p.entries for p in done)} "
+                          "entries)")
+        if once:
+            break
+        time.sleep(settings.integrate_interval_ms / 1000)
+    engine.dispose()
+
+
+def audit_command(
+    against: Annotated[Optional[list[Path]], typer.Option(  # noqa: UP045
+        help="A checkpoint saved outside the database (a file, or a sink directory of them); "
+             "repeatable.")] = None,
+    signatures: bool = typer.Option(False, help="Also verify every envelope's signatures."),
+    database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
+) -> None:
+    """Recompute the log from the stored entries and check every checkpoint; exit 1 naming
+    the first bad index if anything disagrees."""
+    from ledger.db.session import make_engine
+    from ledger.log.audit import audit
+
+    settings = settings_with(database_url)
+    saved: list[tuple[str, bytes]] = []
+    for path in against or []:
+        files = sorted(path.glob("checkpoint.*")) if path.is_dir() else [path]
+        saved.extend((str(f), f.read_bytes()) for f in files)
+    engine = make_engine(settings, pool_size=1)
+    with _progress() as bar:
+        task = bar.add_task("auditing entries", total=None)
+        report = audit(engine, settings.log_name, against=saved, signatures=signatures,
+                       progress=lambda done, total: bar.update(task, completed=done,
+                                                                total=total))
+    engine.dispose()
+    table = Table(title="ledger audit", show_header=False)
+    table.add_row("entries", f"{report.entries:,}")
+    table.add_row("tree size", f"{report.tree_size:,}")
+    table.add_row("checkpoints checked", f"{report.checkpoints:,}")
+    table.add_row("saved checkpoints checked", f"{report.saved_checkpoints:,}")
+    if signatures:
+        table.add_row("envelope signatures verified", f"{report.signatures_checked:,}")
+    out.print(table)
+    if report.ok:
+        out.print("[green]OK: every entry, tile and checkpoint agrees[/green]")
+        return
+    for problem in report.problems[:20]:
+        out.print(f"[red]- {problem}[/red]")
+    if report.first_bad_index is not None:
+        out.print(f"[red]FAIL: first bad index {report.first_bad_index}[/red]")
+    else:
+        out.print("[red]FAIL[/red]")
+    raise typer.Exit(1)
+
+
+def export_command(
+    out_path: Annotated[Path, typer.Option("--out", help="Bundle file to write (JSON Lines).")],
+    recorded_after: Optional[datetime] = typer.Option(None, help="RFC 3339, inclusive."),  # noqa: UP045
+    recorded_before: Optional[datetime] = typer.Option(None, help="RFC 3339, exclusive."),  # noqa: UP045
+    model_sha256: Optional[str] = typer.Option(None),  # noqa: UP045
+    fingerprint_id: Optional[str] = typer.Option(None),  # noqa: UP045
+    request_id: Annotated[Optional[list[str]], typer.Option(help="Repeatable.")] = None,  # noqa: UP045
+    database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
+) -> None:
+    """Write a self-contained bundle: envelopes, inclusion proofs against one checkpoint,
+    the checkpoint and the public keys. `ledger verify` checks it offline."""
+    from ledger.db.session import make_engine
+    from ledger.log.export import Selection, bundle_lines
+
+    settings = settings_with(database_url)
+    engine = make_engine(settings, pool_size=2)
+    selection = Selection(recorded_after, recorded_before, model_sha256, fingerprint_id,
+                          tuple(request_id or ()))
+    n = 0
+    tmp = out_path.with_suffix(out_path.suffix + ".part")
+    with tmp.open("wb") as fh, _progress() as bar:
+        task = bar.add_task("exporting", total=None)
+        for i, line in enumerate(bundle_lines(engine, selection)):
+            fh.write(line)
+            if i == 0:
+                import json
+
+                bar.update(task, total=json.loads(line)["records"])
+            else:
+                n += 1
+                bar.advance(task)
+    os.replace(tmp, out_path)
+    engine.dispose()
+    console.print(f"[green]wrote {out_path}: {n} records[/green]")
+
+
+def _verify_chunk(args: tuple[bytes, list[tuple[int, bytes]], list[str] | None]
+                  ) -> list[tuple[int, str, int]]:
+    from ledger.core.bundle import read_header, verify_record
+    from ledger.core.note import parse_verifier_key
+
+    header_line, lines, pinned = args
+    header = read_header(header_line, [parse_verifier_key(k) for k in pinned] if pinned else None)
+    return [(*verify_record(line, n, header), n) for n, line in lines]
+
+
+def verify_command(
+    bundle: Annotated[Path, typer.Argument(help="A bundle written by `ledger export`.")],
+    log_key: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+        help="Pin the log's verifier key (name+hash+key); without it the keys listed in "
+             "the bundle are used, which proves integrity but not origin.")] = None,
+    jobs: int = typer.Option(0, help="Processes (0: one per CPU)."),
+) -> None:
+    """Verify a bundle offline: checkpoint signature, every envelope signature and every
+    inclusion proof. No database, no network. Exit 1 naming what is wrong."""
+    from ledger.core.bundle import BundleError, add_record, finish, read_header, start_summary
+    from ledger.core.errors import LedgerError
+    from ledger.core.note import parse_verifier_key
+
+    started = time.perf_counter()
+    try:
+        data = bundle.read_bytes()
+        lines = data.split(b"\n")
+        if lines and lines[-1] == b"":
+            lines.pop()
+        else:
+            raise BundleError("the bundle does not end with a newline (truncated?)")
+        if not lines:
+            raise BundleError("the bundle is empty")
+        pinned = [parse_verifier_key(k) for k in log_key] if log_key else None
+        header = read_header(lines[0], pinned)
+        summary = start_summary(header)
+        records = list(enumerate(lines[1:], start=2))
+        for n, line in records:
+            if not line.strip():
+                raise BundleError(f"line {n}: empty line")
+        chunks = [records[i:i + VERIFY_CHUNK] for i in range(0, len(records), VERIFY_CHUNK)]
+        workers = jobs or os.cpu_count() or 1
+        seen: set[int] = set()
+        with _progress() as bar:
+            task = bar.add_task("verifying records", total=len(records))
+            args = [(lines[0], c, log_key) for c in chunks]
+            if workers > 1 and len(chunks) > 1:
+                import multiprocessing as mp
+
+                with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
+                    results = pool.map(_verify_chunk, args)
+                    for res in results:
+                        for index, kind, n in res:
+                            add_record(summary, seen, index, kind, n)
+                        bar.advance(task, len(res))
+            else:
+                for a in args:
+                    res = _verify_chunk(a)
+                    for index, kind, n in res:
+                        add_record(summary, seen, index, kind, n)
+                    bar.advance(task, len(res))
+        finish(summary, header)
+    except (LedgerError, OSError) as exc:
+        message = exc.message if isinstance(exc, LedgerError) else str(exc)
+        out.print(f"[red]FAIL: {message}[/red]")
+        raise typer.Exit(1) from None
+    elapsed = time.perf_counter() - started
+    table = Table(title=f"ledger verify {bundle.name}", show_header=False)
+    table.add_row("log", summary.origin)
+    table.add_row("checkpoint tree size", f"{summary.tree_size:,}")
+    table.add_row("log key", "pinned" if summary.log_key_source == "pinned"
+                  else "from the bundle (pin it with --log-key to prove origin)")
+    for kind, count in sorted(summary.by_kind.items()):
+        table.add_row(f"{kind} records verified", f"{count:,}")
+    table.add_row("time", f"{elapsed:.2f} s ({summary.records / max(elapsed, 1e-9):,.0f}/s)")
+    out.print(table)
+    out.print("[green]OK: checkpoint signature, every signature and every inclusion proof "
+              "verify[/green]")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("integrate")(integrate_command)
+    app.command("audit")(audit_command)
+    app.command("export")(export_command)
+    app.command("verify")(verify_command)
+
+
+

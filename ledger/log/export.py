@@ -1,0 +1,125 @@
+"""`ledger export` and ``GET /v1/export``: write a bundle (see :mod:`ledger.core.bundle`)
+for a selection of envelopes, every proof against one checkpoint, in one repeatable-read
+snapshot so the bundle is internally consistent while ingest goes on."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import Engine, select, text
+from sqlalchemy.orm import Session
+
+from ledger.core.bundle import FORMAT
+from ledger.core.note import format_verifier_key
+from ledger.core.tiles import Tile, inclusion_proof_from_tiles
+from ledger.db.models import SigningKey
+from ledger.errors import BadRequest
+from ledger.log.proofs import NotYetIntegrated
+from ledger.log.signer import log_verifiers
+from ledger.log.store import PgTileReader, latest_checkpoint
+
+
+@dataclass(frozen=True)
+class Selection:
+    recorded_after: datetime | None = None
+    recorded_before: datetime | None = None
+    model_sha256: str | None = None
+    fingerprint_id: str | None = None
+    request_ids: Sequence[str] = field(default_factory=tuple)
+    limit: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["request_ids"] = list(self.request_ids)
+        return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in d.items()
+                if v not in (None, [], ())}
+
+
+class CachingTileReader:
+    """Tiles near the top of the tree serve every proof of an export: read each once."""
+
+    def __init__(self, inner: PgTileReader) -> None:
+        self.inner = inner
+        self.cache: dict[Tile, bytes] = {}
+
+    def read_tiles(self, tiles: Sequence[Tile]) -> list[bytes]:
+        missing = [t for t in tiles if t not in self.cache]
+        if missing:
+            for t, data in zip(missing, self.inner.read_tiles(missing), strict=True):
+                self.cache[t] = data
+        return [self.cache[t] for t in tiles]
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode()
+
+
+def key_records(session: Session) -> list[dict[str, Any]]:
+    rows = session.scalars(select(SigningKey).order_by(SigningKey.created_at, SigningKey.keyid))
+    return [{"keyid": k.keyid, "public_key": _b64(k.public_key), "purpose": k.purpose,
+             "name": k.name, "status": k.status, "not_before": k.not_before.isoformat(),
+             "not_after": k.not_after.isoformat() if k.not_after else None,
+             "revoked_at": k.revoked_at.isoformat() if k.revoked_at else None}
+            for k in rows]
+
+
+def bundle_lines(engine: Engine, selection: Selection) -> Iterator[bytes]:
+    """Yield the bundle line by line (newline-terminated bytes)."""
+    if selection.recorded_after and selection.recorded_after.tzinfo is None:
+        raise BadRequest("recorded_after needs a UTC offset")
+    with Session(engine) as session:
+        session.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
+        conn = session.connection().connection.driver_connection
+        assert conn is not None
+        with conn.cursor() as cur:
+            cp = latest_checkpoint(cur)
+            if cp is None:
+                raise NotYetIntegrated("the log has no checkpoint yet; nothing to export")
+            origin = cp.note.decode().split("\n", 1)[0]
+            where = ["log_index < %s"]
+            params: list[Any] = [cp.tree_size]
+            if selection.recorded_after:
+                where.append("recorded_at >= %s")
+                params.append(selection.recorded_after)
+            if selection.recorded_before:
+                where.append("recorded_at < %s")
+                params.append(selection.recorded_before)
+            if selection.model_sha256:
+                where.append("model_sha256 = %s")
+                params.append(selection.model_sha256)
+            if selection.fingerprint_id:
+                where.append("fingerprint_id = %s")
+                params.append(selection.fingerprint_id)
+            if selection.request_ids:
+                where.append("request_id = ANY(%s)")
+                params.append(list(selection.request_ids))
+            limit = f" LIMIT {int(selection.limit)}" if selection.limit else ""
+            cur.execute(f"SELECT count(*) FROM (SELECT 1 FROM envelopes WHERE "  # noqa: S608
+                        f"{' AND '.join(where)}{limit}) s", params)
+            count = int(cur.fetchone()[0])
+            header = {
+                "format": FORMAT, "origin": origin, "checkpoint": cp.note.decode(),
+                "log_keys": [format_verifier_key(v.name, v.public_key)
+                             for v in log_verifiers(session, origin)],
+                "keys": key_records(session), "selection": selection.to_json(),
+                "records": count, "created_at": datetime.now(UTC).isoformat(),
+            }
+            yield json.dumps(header, separators=(",", ":")).encode() + b"\n"
+            reader = CachingTileReader(PgTileReader(conn.cursor()))
+            with conn.cursor(name="export_envelopes") as rows:
+                rows.itersize = 2000
+                rows.execute(f"SELECT log_index, request_id, dsse FROM envelopes WHERE "  # noqa: S608
+                             f"{' AND '.join(where)} ORDER BY log_index{limit}", params)
+                for log_index, request_id, dsse_bytes in rows:
+                    proof = inclusion_proof_from_tiles(log_index, cp.tree_size, reader)
+                    yield (b'{"log_index":%d,"kind":"envelope","ref":%s,"dsse":%s,'
+                           b'"inclusion_proof":%s}\n' % (
+                               log_index, json.dumps(request_id).encode(), bytes(dsse_bytes),
+                               json.dumps([_b64(h) for h in proof]).encode()))
+                    if len(reader.cache) > 100_000:
+                        reader.cache.clear()

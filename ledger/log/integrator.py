@@ -1,0 +1,147 @@
+"""The integrator: folds sequenced entries into the Merkle tree and publishes checkpoints.
+
+One integration is one transaction: read the entries after the integrated size (at most
+``max_entries``), recompute their leaf hashes from the stored entry bytes, compute the new
+tiles and root, store the tiles, sign and insert the checkpoint, and move ``log_tree``
+forward. Killing the process at any point therefore loses nothing and can never publish a
+checkpoint that disagrees with stored entries: either all of it commits or none of it.
+
+Any number of processes may run it; ``FOR UPDATE SKIP LOCKED`` on the ``log_tree`` row
+lets exactly one integrate at a time while the others move on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+
+from ledger.core.errors import LedgerError
+from ledger.core.merkle import leaf_hash
+from ledger.core.tiles import integrate
+from ledger.db.session import session_scope
+from ledger.log.signer import LogSigner
+from ledger.log.sink import CheckpointSink
+from ledger.log.store import PgTileReader, write_tiles
+
+log = logging.getLogger("ledger.integrator")
+
+
+class IntegrityError_(LedgerError):
+    """Stored entries disagree with themselves (a gap, or a leaf hash that does not match
+    its entry): the integrator stops rather than sign over it."""
+
+    code = "log_integrity"
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    tree_size: int
+    root_hash: bytes
+    note: bytes
+    entries: int
+
+
+def integrate_once(engine: Engine, signer: LogSigner, *, max_entries: int = 20_000,
+                   sink: CheckpointSink | None = None) -> Published | None:
+    """Integrate up to ``max_entries`` pending entries; None when there is nothing to do or
+    another process holds the tree."""
+    with session_scope(engine) as session:
+        conn = session.connection().connection.driver_connection
+        assert conn is not None
+        with conn.cursor() as cur:
+            cur.execute("SELECT size, root_hash FROM log_tree WHERE id = 1 "
+                        "FOR UPDATE SKIP LOCKED")
+            row = cur.fetchone()
+            if row is None:
+                return None  # another integrator is at work
+            tree_size: int = row[0]
+            cur.execute("SELECT size FROM log_state WHERE id = 1")
+            seq = cur.fetchone()
+            assert seq is not None
+            pending = seq[0] - tree_size
+            if pending <= 0:
+                return None
+            stop = tree_size + min(pending, max_entries)
+            cur.execute("SELECT idx, entry, leaf_hash FROM log_entries "
+                        "WHERE idx >= %s AND idx < %s ORDER BY idx", (tree_size, stop))
+            rows = cur.fetchall()
+            hashes: list[bytes] = []
+            for expected, (idx, entry, stored_hash) in enumerate(rows, start=tree_size):
+                if idx != expected:
+                    raise IntegrityError_(f"log entry {expected} is missing")
+                h = leaf_hash(bytes(entry))
+                if h != bytes(stored_hash):
+                    raise IntegrityError_(f"log entry {idx}: stored leaf hash does not match "
+                                          "its entry bytes")
+                hashes.append(h)
+            if len(hashes) != stop - tree_size:
+                raise IntegrityError_(f"log entries {tree_size}..{stop - 1} are not all stored")
+            result = integrate(tree_size, hashes, PgTileReader(cur))
+            write_tiles(cur, result.tiles)
+            note = signer.sign(result.size, result.root)
+            cur.execute("INSERT INTO checkpoints (tree_size, root_hash, note) "
+                        "VALUES (%s, %s, %s)", (result.size, result.root, note))
+            cur.execute("UPDATE log_tree SET size = %s, root_hash = %s, updated_at = now() "
+                        "WHERE id = 1", (result.size, result.root))
+    published = Published(result.size, result.root, note, len(hashes))
+    if sink is not None:
+        sink.publish(published.tree_size, published.note)
+    return published
+
+
+def integrate_all(engine: Engine, signer: LogSigner, *, max_entries: int = 20_000,
+                  sink: CheckpointSink | None = None) -> list[Published]:
+    """Integrate until nothing is pending (used by tests, the CLI and receipts)."""
+    out = []
+    while (p := integrate_once(engine, signer, max_entries=max_entries, sink=sink)) is not None:
+        out.append(p)
+    return out
+
+
+class IntegratorThread:
+    """Runs integration in the background: whenever ``max_entries`` are pending, or
+    entries have waited ``interval_ms``."""
+
+    def __init__(self, engine: Engine, signer: LogSigner, *, max_entries: int,
+                 interval_ms: int, sink: CheckpointSink | None = None,
+                 on_error: Callable[[Exception], None] | None = None) -> None:
+        self.engine = engine
+        self.signer = signer
+        self.max_entries = max_entries
+        self.interval = interval_ms / 1000
+        self.sink = sink
+        self.on_error = on_error
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ledger-integrator", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self, timeout: float = 10) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                while not self._stop.is_set() and integrate_once(
+                        self.engine, self.signer, max_entries=self.max_entries,
+                        sink=self.sink) is not None:
+                    pass
+            except Exception as exc:  # noqa: BLE001 - keep integrating after DB outages
+                log.warning("integration failed: %s", exc)
+                if self.on_error:
+                    self.on_error(exc)
+                time.sleep(min(self.interval * 5, 2.0))
+            self._wake.wait(self.interval)
+            self._wake.clear()

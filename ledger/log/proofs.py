@@ -1,0 +1,95 @@
+"""Inclusion and consistency proofs served from stored tiles, against stored checkpoints."""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from ledger.core.errors import TreeRangeError
+from ledger.core.merkle import leaf_hash as compute_leaf_hash
+from ledger.core.tiles import consistency_proof_from_tiles, inclusion_proof_from_tiles
+from ledger.errors import NotFound
+from ledger.log.store import PgTileReader, StoredCheckpoint, checkpoint_at, latest_checkpoint
+
+
+class NotYetIntegrated(NotFound):
+    code = "not_yet_integrated"
+
+
+def _cursor(session: Session) -> Any:
+    conn = session.connection().connection.driver_connection
+    assert conn is not None
+    return conn.cursor()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@dataclass(frozen=True, slots=True)
+class InclusionReceipt:
+    """Everything needed to check one entry offline against one signed checkpoint."""
+
+    log_index: int
+    tree_size: int
+    entry: bytes
+    leaf_hash: bytes
+    proof: list[bytes]
+    checkpoint: StoredCheckpoint
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "log_index": self.log_index,
+            "tree_size": self.tree_size,
+            "entry": _b64(self.entry),
+            "leaf_hash": _b64(self.leaf_hash),
+            "inclusion_proof": [_b64(h) for h in self.proof],
+            "root_hash": _b64(self.checkpoint.root_hash),
+            "checkpoint": self.checkpoint.note.decode(),
+        }
+
+
+def checkpoint_for(cur: Any, tree_size: int | None) -> StoredCheckpoint:
+    cp = latest_checkpoint(cur) if tree_size is None else checkpoint_at(cur, tree_size)
+    if cp is None:
+        if tree_size is None:
+            raise NotYetIntegrated("the log has no checkpoint yet")
+        raise NotFound(f"no checkpoint of tree size {tree_size}", code="no_such_checkpoint")
+    return cp
+
+
+def inclusion(session: Session, log_index: int, tree_size: int | None = None) -> InclusionReceipt:
+    with _cursor(session) as cur:
+        cp = checkpoint_for(cur, tree_size)
+        if log_index >= cp.tree_size:
+            raise NotYetIntegrated(
+                f"log index {log_index} is not in the latest checkpoint (size {cp.tree_size}) "
+                "yet; retry shortly")
+        cur.execute("SELECT entry FROM log_entries WHERE idx = %s", (log_index,))
+        row = cur.fetchone()
+        if row is None:
+            raise NotFound(f"no log entry {log_index}")
+        entry = bytes(row[0])
+        proof = inclusion_proof_from_tiles(log_index, cp.tree_size, PgTileReader(cur))
+    return InclusionReceipt(log_index, cp.tree_size, entry, compute_leaf_hash(entry), proof, cp)
+
+
+def consistency(session: Session, old_size: int, new_size: int | None) -> dict[str, Any]:
+    with _cursor(session) as cur:
+        new_cp = checkpoint_for(cur, new_size)
+        if old_size > new_cp.tree_size:
+            raise TreeRangeError(f"from={old_size} is larger than to={new_cp.tree_size}")
+        old_cp = checkpoint_at(cur, old_size) if old_size else None
+        proof = consistency_proof_from_tiles(old_size, new_cp.tree_size, PgTileReader(cur))
+    return {
+        "from": old_size,
+        "to": new_cp.tree_size,
+        "proof": [_b64(h) for h in proof],
+        "old_root_hash": _b64(old_cp.root_hash) if old_cp else None,
+        "new_root_hash": _b64(new_cp.root_hash),
+        "old_checkpoint": old_cp.note.decode() if old_cp else None,
+        "new_checkpoint": new_cp.note.decode(),
+    }

@@ -1,0 +1,54 @@
+"""The log's checkpoint signer: the Ed25519 key from ``LEDGER_LOG_KEY_FILE`` and the name
+(the log's origin) that C2SP signed notes carry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy.orm import Session
+
+from ledger.core.keys import load_private_pem, public_raw
+from ledger.core.note import Checkpoint, NoteVerifier, sign_checkpoint
+from ledger.db.models import SigningKey
+from ledger.services.keys import register_key
+from ledger.settings import Settings
+
+
+@dataclass(frozen=True)
+class LogSigner:
+    origin: str
+    key: Ed25519PrivateKey
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> LogSigner | None:
+        if settings.log_key_file is None:
+            return None
+        return cls(settings.log_name, load_private_pem(Path(settings.log_key_file).read_bytes()))
+
+    def sign(self, size: int, root: bytes) -> bytes:
+        return sign_checkpoint(Checkpoint(self.origin, size, root), self.origin, self.key)
+
+    @property
+    def public_key(self) -> bytes:
+        return public_raw(self.key)
+
+    def verifier(self) -> NoteVerifier:
+        return NoteVerifier.from_public_key(self.origin, self.public_key)
+
+    def ensure_registered(self, session: Session) -> None:
+        """Register the public key (purpose ``log``) so readers and auditors can find it."""
+        from ledger.core.keys import key_id
+
+        if session.get(SigningKey, key_id(self.public_key)) is None:
+            register_key(session, public_key=self.public_key, purpose="log", name=self.origin)
+
+
+def log_verifiers(session: Session, origin: str) -> list[NoteVerifier]:
+    """Every log key the ledger has registered (revoked ones too: old checkpoints stay
+    verifiable), as note verifiers for ``origin``."""
+    from sqlalchemy import select
+
+    rows = session.scalars(select(SigningKey.public_key).where(SigningKey.purpose == "log"))
+    return [NoteVerifier.from_public_key(origin, bytes(pk)) for pk in rows]
