@@ -1,0 +1,220 @@
+"""Llama-family decoder for replay: weights, RoPE, preallocated KV cache, prefill, decode.
+
+References: gpt-fast ``model.py``/``generate.py`` (structure: dataclass config, KV cache
+buffers updated in place, free functions ``prefill`` and ``decode_one_token``) and
+Hugging Face ``transformers`` ``modeling_llama.py`` / ``modeling_qwen3.py`` (the
+numerics it reproduces: rotate-half RoPE, RMSNorm in fp32 then cast, SwiGLU, GQA).
+
+Every numerics-sensitive op goes through :mod:`workers.engine.ops`; this file holds no
+reduction of its own. Tokens of all sequences in a batch are packed along one axis
+(``T`` in the shape comments), as in vLLM, so no padding enters the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from workers.engine import ops
+from workers.engine.config import ModelConfig, rope_scaling_type
+
+#: RoPE tables are built in blocks of this many positions, each block on its own, so a
+#: position's cos/sin bits never depend on how long the table is.
+ROPE_BLOCK = 4096
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: Tensor                 # [hidden]
+    wqkv: Tensor                      # [(Hq + 2 Hkv) * D, hidden]: q, k, v rows stacked
+    bqkv: Tensor | None               # [(Hq + 2 Hkv) * D]
+    wo: Tensor                        # [hidden, Hq * D]
+    bo: Tensor | None                 # [hidden]
+    q_norm: Tensor | None             # [D] (Qwen3)
+    k_norm: Tensor | None             # [D] (Qwen3)
+    ffn_norm: Tensor                  # [hidden]
+    w_gate_up: Tensor                 # [2 * intermediate, hidden]: gate rows, then up rows
+    w_down: Tensor                    # [hidden, intermediate]
+
+
+@dataclass
+class Transformer:
+    config: ModelConfig
+    embed: Tensor                     # [V, hidden]
+    layers: list[LayerWeights]
+    norm: Tensor                      # [hidden]
+    lm_head: Tensor                   # [V, hidden] (the embedding itself when tied)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def __post_init__(self) -> None:
+        self._rope_cos = torch.empty(0, self.config.head_dim // 2, device=self.device)
+        self._rope_sin = torch.empty_like(self._rope_cos)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin fp32 [T, D/2] for int64 positions [T]."""
+        need = int(positions.max().item()) + 1 if positions.numel() else 0
+        while self._rope_cos.shape[0] < need:
+            start = self._rope_cos.shape[0]
+            cos, sin = rope_table(self.config, start, ROPE_BLOCK, self.device)
+            self._rope_cos = torch.cat([self._rope_cos, cos])
+            self._rope_sin = torch.cat([self._rope_sin, sin])
+        return self._rope_cos[positions], self._rope_sin[positions]
+
+
+def rope_inv_freq(config: ModelConfig) -> Tensor:
+    """Inverse frequencies (float64) [D/2], with llama3 or linear scaling applied."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    kind = rope_scaling_type(scaling)
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_table(
+    config: ModelConfig, start: int, length: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """cos, sin fp32 [length, D/2] for positions start..start+length-1 (float64 math)."""
+    inv_freq = rope_inv_freq(config)                                      # [D/2]
+    pos = torch.arange(start, start + length, dtype=torch.float64)
+    angles = pos[:, None] * inv_freq[None, :]                             # [length, D/2]
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE (transformers' layout) in fp32. x [T, H, D], cos/sin [T, D/2]."""
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    x1, x2 = x32[..., :half], x32[..., half:]                             # [T, H, D/2]
+    c, s = cos[:, None, :], sin[:, None, :]                               # [T, 1, D/2]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+
+class KVCache:
+    """Per layer k and v buffers [slots, Hkv, max_seq, D] (gpt-fast), written in place."""
+
+    def __init__(
+        self, config: ModelConfig, slots: int, max_seq: int, *, dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (slots, config.num_key_value_heads, max_seq, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device)
+                  for _ in range(config.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device)
+                  for _ in range(config.num_hidden_layers)]
+        self.slots, self.max_seq = slots, max_seq
+
+    def write(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store k, v [T, Hkv, D] at (slot, position) pairs [T]."""
+        self.k[layer][slots, :, positions] = k
+        self.v[layer][slots, :, positions] = v
+
+    def move_slot(self, src: int, dst: int) -> None:
+        for k, v in zip(self.k, self.v, strict=True):
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])
+
+
+def _attention_inputs(
+    model: Transformer, layer: LayerWeights, h: Tensor, rope: tuple[Tensor, Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D] from normed hidden states h [T, hidden]."""
+    cfg = model.config
+    t, d = h.shape[0], cfg.head_dim
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    qkv = ops.linear(h, layer.wqkv, layer.bqkv)                           # [T, (Hq+2Hkv)*D]
+    q, k, v = torch.split(qkv, [hq * d, hkv * d, hkv * d], dim=-1)
+    q = q.reshape(t, hq, d)                                               # [T, Hq, D]
+    k = k.reshape(t, hkv, d)                                              # [T, Hkv, D]
+    v = v.reshape(t, hkv, d).contiguous()                                 # [T, Hkv, D]
+    if layer.q_norm is not None and layer.k_norm is not None:
+        q = ops.rms_norm(q.reshape(t * hq, d), layer.q_norm, cfg.rms_norm_eps).view(t, hq, d)
+        k = ops.rms_norm(k.reshape(t * hkv, d), layer.k_norm, cfg.rms_norm_eps).view(t, hkv, d)
+    cos, sin = rope
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _mlp(layer: LayerWeights, h: Tensor) -> Tensor:
+    gate_up = ops.linear(h, layer.w_gate_up)                              # [T, 2I]
+    gate, up = gate_up.chunk(2, dim=-1)                                   # [T, I] each
+    return ops.linear(ops.silu_mul(gate, up), layer.w_down)               # [T, hidden]
+
+
+def _logits(model: Transformer, x: Tensor) -> Tensor:
+    """Final norm and LM head: x [N, hidden] -> fp32 logits [N, V]."""
+    x = ops.rms_norm(x, model.norm, model.config.rms_norm_eps)
+    return ops.linear(x, model.lm_head).float()
+
+
+def prefill(
+    model: Transformer, cache: KVCache, tokens: Tensor, positions: Tensor, slots: Tensor,
+    cu_seqlens: Tensor,
+) -> Tensor:
+    """Run whole prompts, fill their cache slots; logits of each prompt's last token.
+
+    tokens, positions, slots [T] int64 (packed prompts); cu_seqlens [B+1] int32.
+    Returns fp32 [B, V].
+    """
+    cfg = model.config
+    scale = cfg.head_dim ** -0.5
+    x = model.embed[tokens]                                               # [T, hidden]
+    rope = model.rope(positions)
+    for i, layer in enumerate(model.layers):
+        q, k, v = _attention_inputs(
+            model, layer, ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), rope
+        )
+        cache.write(i, slots, positions, k, v)
+        attn = ops.prefill_attention(q, k, v, cu_seqlens, scale)          # [T, Hq, D]
+        x = x + ops.linear(attn.reshape(x.shape[0], -1), layer.wo, layer.bo)
+        x = x + _mlp(layer, ops.rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps))
+    last = cu_seqlens[1:].to(torch.int64) - 1                             # [B]
+    return _logits(model, x[last])
+
+
+def decode_one_token(
+    model: Transformer, cache: KVCache, tokens: Tensor, positions: Tensor
+) -> Tensor:
+    """One step for the sequences in cache slots 0..B-1.
+
+    tokens, positions [B] int64 (slot b holds sequence b). Returns fp32 logits [B, V].
+    """
+    cfg = model.config
+    scale = cfg.head_dim ** -0.5
+    b = tokens.shape[0]
+    slots = torch.arange(b, device=tokens.device)
+    seq_lens = (positions + 1).to(torch.int32)                            # [B]
+    x = model.embed[tokens]                                               # [B, hidden]
+    rope = model.rope(positions)
+    for i, layer in enumerate(model.layers):
+        q, k, v = _attention_inputs(
+            model, layer, ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), rope
+        )
+        cache.write(i, slots, positions, k, v)
+        attn = ops.decode_attention(q, cache.k[i][:b], cache.v[i][:b], seq_lens, scale)
+        x = x + ops.linear(attn.reshape(b, -1), layer.wo, layer.bo)       # [B, hidden]
+        x = x + _mlp(layer, ops.rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps))
+    return _logits(model, x)

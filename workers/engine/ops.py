@@ -1,0 +1,163 @@
+"""The one dispatch point for every numerics-sensitive op of the reference model.
+
+The model calls only these functions; the **batch-invariant mode** decides what runs:
+
+=================  ===========================  ==================================
+mode / device      CPU (and CUDA w/o Triton)    CUDA with ``cuda_kernels``
+=================  ===========================  ==================================
+batch-invariant    ``torch_kernels.bi_*``       ``workers.engine.cuda_kernels.bi_*``
+off                ordinary torch (``F.linear``, SDPA, ``log_softmax``)
+=================  ===========================  ==================================
+
+The mode is scoped (like Thinking Machines' ``set_batch_invariant_mode``, but with
+``try/finally``) and held in a ``ContextVar``, so it cannot leak past the ``with`` block,
+into another thread, or out of a failing call. Nothing is patched globally: ``aten`` ops
+called by other code keep their ordinary kernels. On entry it also turns TF32 and
+reduced-precision reductions off for CUDA matmuls, and restores them on exit.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from workers.engine import torch_kernels
+
+_BATCH_INVARIANT: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "ledger_batch_invariant", default=False
+)
+_cuda_kernels: ModuleType | None = None
+_cuda_kernels_error: str | None = None
+_cuda_kernels_tried = False
+
+
+@contextmanager
+def batch_invariant_mode(enabled: bool = True) -> Iterator[None]:
+    """Run the enclosed ops batch invariant (``enabled``) or on the ordinary fast path."""
+    token = _BATCH_INVARIANT.set(enabled)
+    saved = _cuda_matmul_flags()
+    try:
+        if enabled:
+            _set_cuda_matmul_flags(dict.fromkeys(saved, False))
+        yield
+    finally:
+        _set_cuda_matmul_flags(saved)
+        _BATCH_INVARIANT.reset(token)
+
+
+def is_batch_invariant() -> bool:
+    return _BATCH_INVARIANT.get()
+
+
+def _cuda_matmul_flags() -> dict[str, bool]:
+    m = torch.backends.cuda.matmul
+    return {
+        "matmul.allow_tf32": bool(m.allow_tf32),
+        "matmul.allow_bf16_reduced_precision_reduction": bool(
+            m.allow_bf16_reduced_precision_reduction
+        ),
+        "matmul.allow_fp16_reduced_precision_reduction": bool(
+            m.allow_fp16_reduced_precision_reduction
+        ),
+        "cudnn.allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+    }
+
+
+def _set_cuda_matmul_flags(flags: dict[str, bool]) -> None:
+    m = torch.backends.cuda.matmul
+    m.allow_tf32 = flags["matmul.allow_tf32"]
+    m.allow_bf16_reduced_precision_reduction = flags[
+        "matmul.allow_bf16_reduced_precision_reduction"
+    ]
+    m.allow_fp16_reduced_precision_reduction = flags[
+        "matmul.allow_fp16_reduced_precision_reduction"
+    ]
+    torch.backends.cudnn.allow_tf32 = flags["cudnn.allow_tf32"]
+
+
+def cuda_kernels() -> ModuleType | None:
+    """``workers.engine.cuda_kernels`` if it imports (Triton, a GPU), else ``None``."""
+    global _cuda_kernels, _cuda_kernels_error, _cuda_kernels_tried
+    if not _cuda_kernels_tried:
+        _cuda_kernels_tried = True
+        try:
+            _cuda_kernels = importlib.import_module("workers.engine.cuda_kernels")
+        except Exception as exc:  # ImportError, or Triton failing to initialise
+            _cuda_kernels_error = f"{type(exc).__name__}: {exc}"
+    return _cuda_kernels
+
+
+def backend_name(device: str | torch.device, batch_invariant: bool) -> str:
+    """The kernel family ``device`` runs in this mode (the fingerprint's attention_backend)."""
+    if not batch_invariant:
+        return "torch-sdpa"
+    if torch.device(device).type == "cuda" and cuda_kernels() is not None:
+        return "triton-bi"
+    return "torch-bi"
+
+
+def _bi(x: Tensor) -> Any:
+    """The batch-invariant kernel module for ``x``'s device."""
+    if x.is_cuda:
+        module = cuda_kernels()
+        if module is not None:
+            return module
+    return torch_kernels
+
+
+# --------------------------------------------------------------------------- the ops
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """x [M, K], weight [N, K], bias [N] | None -> [M, N]"""
+    if _BATCH_INVARIANT.get():
+        return _bi(x).bi_linear(x, weight, bias)  # type: ignore[no-any-return]
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x [M, D], weight [D] -> [M, D]; computed in fp32, returned in x's dtype."""
+    if _BATCH_INVARIANT.get():
+        return _bi(x).bi_rms_norm(x, weight, eps)  # type: ignore[no-any-return]
+    return torch_kernels.fast_rms_norm(x, weight, eps)
+
+
+def log_softmax(x: Tensor) -> Tensor:
+    """x [M, V] -> fp32 [M, V]"""
+    if _BATCH_INVARIANT.get():
+        return _bi(x).bi_log_softmax(x)  # type: ignore[no-any-return]
+    return torch_kernels.fast_log_softmax(x)
+
+
+def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up, [M, I]. Elementwise: identical per element on CUDA in either form."""
+    if _BATCH_INVARIANT.get():
+        return torch_kernels.silu_mul(gate, up)
+    return torch_kernels.fast_silu_mul(gate, up)
+
+
+def decode_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
+    """q [B, Hq, D], caches [B, Hkv, S, D], seq_lens [B] int32 -> [B, Hq, D]"""
+    if _BATCH_INVARIANT.get():
+        return _bi(q).bi_decode_attention(  # type: ignore[no-any-return]
+            q, k_cache, v_cache, seq_lens, scale
+        )
+    return torch_kernels.fast_decode_attention(q, k_cache, v_cache, seq_lens, scale)
+
+
+def prefill_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float
+) -> Tensor:
+    """q [T, Hq, D], k/v [T, Hkv, D], cu_seqlens [B+1] int32 -> [T, Hq, D] (causal)"""
+    if _BATCH_INVARIANT.get():
+        return _bi(q).bi_prefill_attention(  # type: ignore[no-any-return]
+            q, k, v, cu_seqlens, scale
+        )
+    return torch_kernels.fast_prefill_attention(q, k, v, cu_seqlens, scale)
