@@ -81,7 +81,7 @@ def integrate_once(engine: Engine, signer: LogSigner, *, max_entries: int = 20_0
                 hashes.append(h)
             if len(hashes) != stop - tree_size:
                 raise IntegrityError_(f"log entries {tree_size}..{stop - 1} are not all stored")
-            result = integrate(tree_size, hashes, PgTileReader(cur))
+            result = integrate(tree_size, hashes, PgTileReader(cur, cache=None))
             write_tiles(cur, result.tiles)
             note = signer.sign(result.size, result.root)
             cur.execute("INSERT INTO checkpoints (tree_size, root_hash, note) "

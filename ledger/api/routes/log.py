@@ -114,6 +114,17 @@ def log_consistency(
     return proofs.consistency(session, from_size, to_size)
 
 
+@router.get("/v1/log/proof", tags=["log"],
+            summary="Inclusion proof of any log entry (envelope, verdict or dispute event)")
+def entry_proof(
+    index: int = Query(..., ge=0, le=2**62),
+    tree_size: int | None = Query(None, ge=1, le=2**62,
+                                  description="a checkpointed size; default the latest"),
+    session: Session = Depends(get_session),
+) -> dict[str, Any]:
+    return proofs.inclusion(session, index, tree_size).to_json()
+
+
 @router.get("/v1/envelopes/{request_id}/proof", tags=["envelopes"],
             summary="Inclusion proof of an envelope against a signed checkpoint")
 def envelope_proof(
