@@ -73,3 +73,18 @@ def sign_payload_bytes(payload: bytes, *keys: Ed25519PrivateKey) -> dict[str, An
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
+
+
+def output_from_result(token_ids: Sequence[int], finish_reason: str,
+                       logprobs: Sequence[float] | None = None,
+                       top_logprobs: Sequence[Sequence[tuple[int, float]]] | None = None,
+                       logits_sha256: Sequence[str] | None = None) -> dict[str, Any]:
+    """The envelope's ``output`` object from an engine result (any engine's fields)."""
+    out: dict[str, Any] = {"token_ids": list(token_ids), "finish_reason": finish_reason,
+                           "logprobs": list(logprobs) if logprobs is not None else None}
+    if top_logprobs is not None:
+        out["top_logprobs"] = [[{"token_id": int(t), "logprob": float(lp)} for t, lp in step]
+                               for step in top_logprobs]
+    if logits_sha256 is not None:
+        out["logits_sha256"] = list(logits_sha256)
+    return out

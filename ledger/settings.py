@@ -42,6 +42,29 @@ class Settings(BaseSettings):
         description="Ed25519 private key (PEM) that signs checkpoints. Without it the log "
         "is not integrated by this process.",
     )
+    service_key_file: Path | None = Field(
+        default=None,
+        description="Ed25519 private key (PEM) with which the ledger signs its own records "
+        "(dispute events). Disputes need it.",
+    )
+    worker_key_file: Path | None = Field(
+        default=None, description="Ed25519 private key (PEM) a replay worker signs verdicts "
+        "with (registered with purpose worker).")
+    worker_heartbeat_s: float = Field(default=5.0, gt=0)
+    worker_dead_after_s: float = Field(default=30.0, gt=0,
+                                       description="No heartbeat for this long: not live.")
+    replay_max_attempts: int = Field(default=3, ge=1, le=100,
+                                     description="Deliveries before a job is poisoned.")
+    replay_visibility_timeout_s: int = Field(
+        default=3600, ge=1, description="Redis redelivers an unacknowledged job after this; "
+        "keep it above the longest replay.")
+    replay_expires_s: int = Field(default=86_400, ge=1,
+                                  description="A published job message expires after this.")
+    republish_after_s: float = Field(default=60.0, gt=0,
+                                     description="Re-publish a queued job nobody started.")
+    fault_crash_on_request_id: str | None = Field(
+        default=None, description="FAULT INJECTION for tests: a worker process exits abruptly "
+        "when it replays this request ID. Never set in production.")
     integrate_in_api: bool = Field(
         default=True, description="Run the integrator in API processes (one at a time).")
     integrate_max_entries: int = Field(default=20_000, ge=1, le=1_000_000,

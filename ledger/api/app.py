@@ -27,12 +27,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ledger import __version__, metrics
 from ledger.api.routes import envelopes, health, keys
 from ledger.api.routes import log as log_routes
+from ledger.api.routes import replay as replay_routes
 from ledger.api.schemas import Problem
 from ledger.core.errors import LedgerError
 from ledger.db.session import make_engine, session_factory, session_scope
 from ledger.log.integrator import IntegratorThread
 from ledger.log.signer import LogSigner
 from ledger.log.sink import sink_from_settings
+from ledger.replay.broker import CeleryPublisher, Publisher
+from ledger.replay.records import Signer
 from ledger.errors import Unavailable
 from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
 from ledger.settings import Settings, get_settings
@@ -40,7 +43,8 @@ from ledger.settings import Settings, get_settings
 log = logging.getLogger("ledger.api")
 
 #: Every router of the API, in inclusion order (the role-matrix test walks these).
-ROUTERS = [envelopes.router, log_routes.router, keys.router, health.router]
+ROUTERS = [envelopes.router, log_routes.router, replay_routes.router, keys.router,
+           health.router]
 
 
 def _problem_response(body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
@@ -129,11 +133,18 @@ def start_integrator(settings: Settings, engine: Engine) -> IntegratorThread | N
     return thread
 
 
-def create_app(settings: Settings | None = None, engine: Engine | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None, engine: Engine | None = None,
+               publisher: Publisher | None = None) -> FastAPI:
     settings = settings or get_settings()
     engine = engine or make_engine(settings)
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if app.state.service_signer is not None:
+            try:
+                with session_scope(engine) as session:
+                    app.state.service_signer.ensure_registered(session)
+            except Exception as exc:  # noqa: BLE001 - the database may be down at start-up
+                log.warning("could not register the service key yet: %s", exc)
         integrator = start_integrator(settings, engine)
         app.state.integrator = integrator
         try:
@@ -153,6 +164,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessionmaker = session_factory(engine)
+    app.state.service_signer = Signer.from_file(settings.service_key_file, "ledger",
+                                                "ledger-service")
+    app.state.publisher = publisher if publisher is not None else CeleryPublisher(settings)
 
     @app.exception_handler(LedgerError)
     async def ledger_error(_: Request, exc: LedgerError) -> Response:

@@ -35,7 +35,10 @@ from ledger.core.merkle import leaf_hash, verify_inclusion
 from ledger.core.note import Checkpoint, NoteVerifier, open_checkpoint, parse_verifier_key
 
 FORMAT = "inference-ledger-bundle/v1"
-PURPOSE_BY_KIND = {"envelope": "producer", "verdict": "worker", "dispute_event": "ledger"}
+#: Which key purposes may sign each record kind. Dispute events are signed by whoever
+#: caused them: the ledger (reviewer actions, routing) or a worker (replaying, verdict).
+PURPOSES_BY_KIND = {"envelope": {"producer"}, "verdict": {"worker"},
+                    "dispute_event": {"ledger", "worker"}}
 
 
 class BundleError(VerificationError):
@@ -135,8 +138,8 @@ def verify_record(line: bytes, line_no: int, header: BundleHeader) -> tuple[int,
     if not isinstance(index, int) or isinstance(index, bool) or not isinstance(ref, str):
         raise BundleError(f"{where}: log_index must be an integer and ref a string")
     where = f"{where} (log index {index}, {kind} {ref})"
-    purpose = PURPOSE_BY_KIND.get(kind) if isinstance(kind, str) else None
-    if purpose is None:
+    purposes = PURPOSES_BY_KIND.get(kind) if isinstance(kind, str) else None
+    if purposes is None:
         raise BundleError(f"{where}: unknown record kind")
     try:
         env = dsse.envelope_from_obj(rec["dsse"])
@@ -145,8 +148,9 @@ def verify_record(line: bytes, line_no: int, header: BundleHeader) -> tuple[int,
             found = header.keys.get(keyid)
             if found is None:
                 raise BundleError(f"signing key {keyid} is not in the bundle")
-            if found[1] != purpose:
-                raise BundleError(f"key {keyid} is a {found[1]} key, not a {purpose} key")
+            if found[1] not in purposes:
+                raise BundleError(f"key {keyid} is a {found[1]} key; a {kind} needs a "
+                                  f"{' or '.join(sorted(purposes))} key")
             return found[0]
 
         dsse.verify_envelope(env, key_for)

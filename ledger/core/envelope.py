@@ -110,7 +110,9 @@ class Runtime(BaseModel):
     cpu_isa: OptShortStr
     cpu_threads: int | None = Field(default=None, ge=1, le=65536)
     engine_flags: dict[Annotated[str, Field(max_length=200)],
-                       Annotated[str, Field(max_length=1000)] | int | float | bool | None] = (
+                       Annotated[str, Field(max_length=1000)] | int | float | bool | None
+                       | Annotated[list[Annotated[str, Field(max_length=200)]],
+                                   Field(max_length=256)]] = (
         Field(default_factory=dict, max_length=256))
 
     @model_validator(mode="after")

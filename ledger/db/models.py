@@ -23,6 +23,7 @@ from sqlalchemy import (
     MetaData,
     SmallInteger,
     Text,
+    UniqueConstraint,
     func,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
@@ -36,7 +37,8 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-APPEND_ONLY_TABLES = ("log_entries", "envelopes", "audit_events", "checkpoints")
+APPEND_ONLY_TABLES = ("log_entries", "envelopes", "audit_events", "checkpoints",
+                      "dispute_events", "verdicts")
 APP_ROLE = "ledger_app"
 
 
@@ -189,3 +191,204 @@ class CheckpointRow(Base):
     root_hash: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
     note: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
     created_at: Mapped[datetime] = _now()
+
+
+class Fingerprint(Base):
+    """Every runtime fingerprint seen in an envelope (filled at ingest)."""
+
+    __tablename__ = "fingerprints"
+    fingerprint_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    runtime: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    first_seen_at: Mapped[datetime] = _now()
+
+
+class Worker(Base):
+    """A replay worker process: its fingerprint, the models it holds, its heartbeat."""
+
+    __tablename__ = "workers"
+    worker_id: Mapped[str] = mapped_column(Text, primary_key=True)
+    fingerprint_id: Mapped[str] = mapped_column(Text, nullable=False, index=True)
+    runtime: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    models: Mapped[list[dict[str, Any]]] = mapped_column(JSONB, nullable=False)
+    engine: Mapped[str] = mapped_column(Text, nullable=False)
+    version: Mapped[str] = mapped_column(Text, nullable=False)
+    keyid: Mapped[str] = mapped_column(Text, nullable=False)
+    hostname: Mapped[str] = mapped_column(Text, nullable=False)
+    pid: Mapped[int] = mapped_column(Integer, nullable=False)
+    started_at: Mapped[datetime] = _now()
+    last_heartbeat: Mapped[datetime] = _now()
+    stopped_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class ReplayJob(Base):
+    """A unit of replay work for one fingerprint: one or more envelopes, run as one batch."""
+
+    __tablename__ = "replay_jobs"
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    fingerprint_id: Mapped[str] = mapped_column(Text, nullable=False)
+    kind: Mapped[str] = mapped_column(Text, nullable=False)
+    state: Mapped[str] = mapped_column(Text, nullable=False)
+    state_reason: Mapped[str | None] = mapped_column(Text)
+    priority: Mapped[int] = mapped_column(SmallInteger, nullable=False, server_default="1")
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    max_attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default="3")
+    tolerance: Mapped[float | None] = mapped_column()
+    run_id: Mapped[uuid.UUID | None] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("reverification_runs.id"), index=True)
+    created_at: Mapped[datetime] = _now()
+    published_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    worker_id: Mapped[str | None] = mapped_column(Text)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    __table_args__ = (
+        CheckConstraint("kind IN ('dispute', 'reverification', 'gate')", name="kind"),
+        CheckConstraint("state IN ('awaiting_worker', 'queued', 'running', 'done', "
+                        "'poisoned', 'failed')", name="state"),
+        Index("ix_replay_jobs_state_fingerprint_id", "state", "fingerprint_id"),
+    )
+
+
+class ReplayJobItem(Base):
+    __tablename__ = "replay_job_items"
+    job_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), ForeignKey("replay_jobs.id"),
+                                              primary_key=True)
+    position: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    envelope_index: Mapped[int] = mapped_column(BigInteger, ForeignKey("envelopes.log_index"),
+                                                nullable=False, index=True)
+    request_id: Mapped[str] = mapped_column(Text, nullable=False)
+    dispute_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True))
+
+
+class JobAttempt(Base):
+    """One delivery of a job to a worker: started, and how it ended (or not: a crash)."""
+
+    __tablename__ = "job_attempts"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    job_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), ForeignKey("replay_jobs.id"),
+                                              nullable=False, index=True)
+    attempt: Mapped[int] = mapped_column(Integer, nullable=False)
+    worker_id: Mapped[str] = mapped_column(Text, nullable=False)
+    fingerprint_id: Mapped[str] = mapped_column(Text, nullable=False)
+    started_at: Mapped[datetime] = _now()
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    outcome: Mapped[str | None] = mapped_column(Text)
+    detail: Mapped[str | None] = mapped_column(Text)
+
+
+class Dispute(Base):
+    __tablename__ = "disputes"
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    request_id: Mapped[str] = mapped_column(Text, ForeignKey("envelopes.request_id"),
+                                            nullable=False, index=True)
+    envelope_index: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    fingerprint_id: Mapped[str] = mapped_column(Text, nullable=False)
+    reason: Mapped[str] = mapped_column(Text, nullable=False)
+    priority: Mapped[str] = mapped_column(Text, nullable=False, server_default="normal")
+    state: Mapped[str] = mapped_column(Text, nullable=False)
+    state_reason: Mapped[str | None] = mapped_column(Text)
+    opened_by: Mapped[str] = mapped_column(Text, nullable=False)
+    opened_at: Mapped[datetime] = _now()
+    updated_at: Mapped[datetime] = _now()
+    job_id: Mapped[uuid.UUID | None] = mapped_column(UUID(as_uuid=True),
+                                                     ForeignKey("replay_jobs.id"))
+    verdict_id: Mapped[str | None] = mapped_column(Text)
+    resolution: Mapped[str | None] = mapped_column(Text)
+    resolution_note: Mapped[str | None] = mapped_column(Text)
+    resolved_by: Mapped[str | None] = mapped_column(Text)
+    resolved_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    idempotency_key: Mapped[str | None] = mapped_column(Text, unique=True)
+    __table_args__ = (
+        CheckConstraint("priority IN ('low', 'normal', 'high')", name="priority"),
+        CheckConstraint("state IN ('opened', 'queued', 'awaiting_worker', 'replaying', "
+                        "'verdict', 'resolved')", name="state"),
+        CheckConstraint("resolution IS NULL OR resolution IN ('upheld', 'rejected')",
+                        name="resolution"),
+        Index("ix_disputes_state", "state", "opened_at"),
+        Index("uq_disputes_open_request", "request_id", unique=True,
+              postgresql_where="state <> 'resolved'"),
+    )
+
+
+class DisputeEvent(Base):
+    """A dispute's state change or comment: signed by the ledger key, a leaf of the log."""
+
+    __tablename__ = "dispute_events"
+    log_index: Mapped[int] = mapped_column(BigInteger, ForeignKey("log_entries.idx"),
+                                           primary_key=True, autoincrement=False)
+    event_id: Mapped[str] = mapped_column(Text, nullable=False, unique=True)
+    dispute_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), ForeignKey("disputes.id"),
+                                                  nullable=False)
+    seq: Mapped[int] = mapped_column(Integer, nullable=False)
+    kind: Mapped[str] = mapped_column(Text, nullable=False)
+    actor: Mapped[str] = mapped_column(Text, nullable=False)
+    body: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    at: Mapped[datetime] = _now()
+    dsse: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    __table_args__ = (UniqueConstraint("dispute_id", "seq"),)
+
+
+class Verdict(Base):
+    """A signed verdict on one envelope (a leaf of the log); one per job and envelope."""
+
+    __tablename__ = "verdicts"
+    log_index: Mapped[int] = mapped_column(BigInteger, ForeignKey("log_entries.idx"),
+                                           primary_key=True, autoincrement=False)
+    verdict_id: Mapped[str] = mapped_column(Text, nullable=False, unique=True)
+    job_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), ForeignKey("replay_jobs.id"),
+                                              nullable=False)
+    envelope_index: Mapped[int] = mapped_column(BigInteger, ForeignKey("envelopes.log_index"),
+                                                nullable=False, index=True)
+    request_id: Mapped[str] = mapped_column(Text, nullable=False)
+    outcome: Mapped[str] = mapped_column(Text, nullable=False)
+    tier: Mapped[str | None] = mapped_column(Text)
+    worker_id: Mapped[str] = mapped_column(Text, nullable=False)
+    fingerprint_id: Mapped[str] = mapped_column(Text, nullable=False)
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    dsse: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    created_at: Mapped[datetime] = _now()
+    __table_args__ = (
+        UniqueConstraint("job_id", "envelope_index"),
+        CheckConstraint("outcome IN ('reproduced', 'diverged', 'unverifiable', 'error')",
+                        name="outcome"),
+    )
+
+
+class ReverificationPolicy(Base):
+    __tablename__ = "reverification_policies"
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    name: Mapped[str] = mapped_column(Text, nullable=False, unique=True)
+    interval_seconds: Mapped[int] = mapped_column(Integer, nullable=False)
+    sample_size: Mapped[int | None] = mapped_column(Integer)
+    sample_rate: Mapped[float | None] = mapped_column()
+    model_sha256: Mapped[str | None] = mapped_column(Text)
+    fingerprint_id: Mapped[str | None] = mapped_column(Text)
+    channel: Mapped[str | None] = mapped_column(Text)
+    min_age_seconds: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    max_age_seconds: Mapped[int | None] = mapped_column(Integer)
+    enabled: Mapped[bool] = mapped_column(nullable=False, server_default="true")
+    created_by: Mapped[str] = mapped_column(Text, nullable=False)
+    created_at: Mapped[datetime] = _now()
+    first_window_start: Mapped[datetime] = mapped_column(DateTime(timezone=True),
+                                                         nullable=False)
+    __table_args__ = (
+        CheckConstraint("interval_seconds >= 1", name="interval"),
+        CheckConstraint("(sample_size IS NULL) <> (sample_rate IS NULL)", name="sample"),
+    )
+
+
+class ReverificationRun(Base):
+    __tablename__ = "reverification_runs"
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    policy_id: Mapped[uuid.UUID | None] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("reverification_policies.id"))
+    kind: Mapped[str] = mapped_column(Text, nullable=False, server_default="policy")
+    window_start: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    window_end: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+    sampled: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    details: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False, server_default="{}")
+    created_at: Mapped[datetime] = _now()
+    __table_args__ = (
+        UniqueConstraint("policy_id", "window_start"),
+        CheckConstraint("kind IN ('policy', 'gate')", name="kind"),
+    )

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from psycopg.types.json import Jsonb
 from sqlalchemy.orm import Session
 
 from ledger.core import dsse
 from ledger.core.envelope import IndexFields, Limits, index_fields, parse_statement
 from ledger.core.errors import LedgerError, ValidationFailed
-from ledger.core.logentry import log_entry_bytes
-from ledger.core.merkle import leaf_hash
+from ledger.services import sequencer
 from ledger.services.keys import KeyRing, load_keyring
 from ledger.settings import Settings
 
@@ -41,8 +41,7 @@ class Prepared:
     dsse_sha256: bytes
     keyids: list[str]
     fields: IndexFields
-    entry: bytes
-    leaf_hash: bytes
+    runtime: dict[str, Any]
 
 
 @dataclass(slots=True)
@@ -80,8 +79,8 @@ def prepare(env: dsse.Envelope, keyring: KeyRing, limits: Limits, now: datetime)
             code="recorded_in_future")
     dsse_bytes = env.canonical_bytes()
     digest = hashlib.sha256(dsse_bytes).digest()
-    entry = log_entry_bytes("envelope", fields.request_id, digest.hex())
-    return Prepared(dsse_bytes, digest, keyids, fields, entry, leaf_hash(entry))
+    runtime = statement.predicate.runtime.model_dump(mode="json")
+    return Prepared(dsse_bytes, digest, keyids, fields, runtime)
 
 
 def decode_items(raw_items: Sequence[Any], settings: Settings,
@@ -131,10 +130,7 @@ def store(session: Session, prepared: Sequence[Prepared | None]) -> list[ItemRes
     conn = session.connection().connection.driver_connection
     assert conn is not None
     with conn.cursor() as cur:
-        cur.execute("SELECT size FROM log_state WHERE id = 1 FOR UPDATE")
-        row = cur.fetchone()
-        assert row is not None, "log_state row missing: run `ledger db upgrade`"
-        size: int = row[0]
+        size = sequencer.lock(cur)
         cur.execute(
             "SELECT request_id, dsse_sha256, log_index, fingerprint_id FROM envelopes "
             "WHERE request_id = ANY(%s)",
@@ -158,11 +154,8 @@ def store(session: Session, prepared: Sequence[Prepared | None]) -> list[ItemRes
                 results[pos] = ItemResult(pos, 409, rid, prior[1], p.dsse_sha256.hex(),
                                           existing_dsse_sha256=prior[0].hex())
         if new_rows:
-            with cur.copy("COPY log_entries (idx, kind, ref, entry, leaf_hash) "
-                          "FROM STDIN (FORMAT BINARY)") as copy:
-                copy.set_types(["int8", "text", "text", "bytea", "bytea"])
-                for idx, p in new_rows:
-                    copy.write_row((idx, "envelope", p.fields.request_id, p.entry, p.leaf_hash))
+            sequencer.append(cur, size, [("envelope", p.fields.request_id, p.dsse_sha256.hex())
+                                         for _, p in new_rows])
             with cur.copy(
                 "COPY envelopes (log_index, request_id, dsse, dsse_sha256, keyids, model_sha256,"
                 " model_name, fingerprint_id, channel, tier, recorded_at, prompt_tokens,"
@@ -175,7 +168,11 @@ def store(session: Session, prepared: Sequence[Prepared | None]) -> list[ItemRes
                     copy.write_row((idx, f.request_id, p.dsse_bytes, p.dsse_sha256, p.keyids,
                                     f.model_sha256, f.model_name, f.fingerprint_id, f.channel,
                                     f.tier, f.recorded_at, f.prompt_tokens, f.output_tokens))
-            cur.execute("UPDATE log_state SET size = %s WHERE id = 1", (size + len(new_rows),))
+            fingerprints = {p.fields.fingerprint_id: p.runtime for _, p in new_rows}
+            cur.executemany(
+                "INSERT INTO fingerprints (fingerprint_id, runtime) VALUES (%s, %s) "
+                "ON CONFLICT (fingerprint_id) DO NOTHING",
+                [(fp, Jsonb(rt)) for fp, rt in sorted(fingerprints.items())])
     return results
 
 

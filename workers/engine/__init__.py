@@ -19,12 +19,27 @@ if TYPE_CHECKING:
 __all__ = ["ENGINE_VERSION", "ReferenceEngine", "load_engine"]
 
 
+#: CPU intra-op threads by default. The thread count changes CPU reduction order, so it is
+#: part of the fingerprint; one thread makes a fingerprint portable across machines with
+#: different core counts, and avoids OpenMP oversubscription (measured here: 2 threads
+#: beside a busy API and PostgreSQL on 2 cores ran the invariant path ~400x slower).
+DEFAULT_CPU_THREADS = 1
+
+
 def load_engine(
     model: str | Path, *, device: str = "cpu", dtype: str = "float32",
-    batch_invariant: bool = True,
+    batch_invariant: bool = True, threads: int | None = DEFAULT_CPU_THREADS,
 ) -> ReferenceEngine:
-    """The reference engine for a Hugging Face model directory or the name ``tiny-demo``."""
+    """The reference engine for a Hugging Face model directory or the name ``tiny-demo``.
+
+    ``threads`` sets torch's intra-op threads for the process on CPU (None: leave as is).
+    """
     from workers.engine.reference import ReferenceEngine
+
+    if threads is not None and str(device).startswith("cpu"):
+        import torch
+
+        torch.set_num_threads(threads)
 
     return ReferenceEngine.from_dir(model, device=device, dtype=dtype,
                                     batch_invariant=batch_invariant)

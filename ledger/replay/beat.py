@@ -1,0 +1,71 @@
+"""`ledger beat`: the one scheduler. Each tick it runs the outbox sweeper (routing and
+re-publishing jobs), samples due re-verification windows and starts fingerprint-change
+gates. Exactly one runs: it holds a Postgres advisory lock for its lifetime, and a second
+beat waits for the lock instead of ticking beside the first."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+from sqlalchemy import Engine, text
+
+from ledger.replay import jobs
+from ledger.replay.broker import Publisher
+from ledger.replay.records import Signer
+from ledger.settings import Settings
+
+log = logging.getLogger("ledger.beat")
+BEAT_LOCK_KEY = 0x1ED6E4  # pg_advisory_lock key of the single beat
+
+
+class AlreadyRunning(RuntimeError):
+    pass
+
+
+def tick(engine: Engine, publisher: Publisher | None, settings: Settings,
+         signer: Signer | None) -> dict[str, int]:
+    """One pass of every periodic duty; returns counts (for logs and tests)."""
+    from ledger.replay import gate, reverification
+
+    out: dict[str, int] = {}
+    report = jobs.sweep(engine, publisher, settings, signer, actor="beat")
+    out["published"], out["awaiting"], out["recovered"] = (
+        len(report.published), len(report.awaiting), len(report.recovered))
+    out["runs"] = len(reverification.run_due(engine, settings))
+    out["gates"] = len(gate.check_new_fingerprints(engine, settings))
+    if out["runs"] or out["gates"]:  # publish what they created without waiting a tick
+        jobs.sweep(engine, publisher, settings, signer, actor="beat")
+    return out
+
+
+def run(engine: Engine, publisher: Publisher | None, settings: Settings,
+        signer: Signer | None, *, interval_s: float = 2.0, wait_for_lock: bool = True,
+        stop: threading.Event | None = None,
+        on_tick: Callable[[dict[str, int]], None] | None = None) -> None:
+    stop = stop or threading.Event()
+    with engine.connect() as lock_conn:
+        got = lock_conn.execute(text("SELECT pg_try_advisory_lock(:k)"),
+                                {"k": BEAT_LOCK_KEY}).scalar_one()
+        if not got:
+            if not wait_for_lock:
+                raise AlreadyRunning("another `ledger beat` holds the lock")
+            log.warning("another beat is running; waiting to take over")
+            while not stop.is_set() and not lock_conn.execute(
+                    text("SELECT pg_try_advisory_lock(:k)"), {"k": BEAT_LOCK_KEY}).scalar_one():
+                lock_conn.commit()
+                stop.wait(interval_s)
+        lock_conn.commit()
+        try:
+            while not stop.is_set():
+                try:
+                    counts = tick(engine, publisher, settings, signer)
+                    if on_tick:
+                        on_tick(counts)
+                except Exception as exc:  # noqa: BLE001 - a blip must not stop the beat
+                    log.warning("beat tick failed: %s", exc)
+                stop.wait(interval_s)
+        finally:
+            lock_conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": BEAT_LOCK_KEY})
+            lock_conn.commit()

@@ -1,0 +1,74 @@
+"""Publishing replay jobs: to Celery queues ``replay.<fingerprint_id>`` over Redis, or to
+an in-process worker (the embedded demo). Jobs are published only after the transaction
+that made them commits; the sweeper re-publishes anything that did not get through, so
+the database (the outbox) is the source of truth and a Redis restart loses nothing."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Protocol
+
+from celery import Celery
+
+from ledger.core.fingerprint import replay_queue
+from ledger.settings import Settings
+
+TASK_REPLAY = "ledger.replay_job"
+
+
+class Publisher(Protocol):
+    def publish(self, job_id: str, fingerprint_id: str) -> None: ...
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("inference-ledger", broker=settings.broker_url)
+    app.conf.update(
+        task_acks_late=True,                    # ack after the replay, not before
+        task_reject_on_worker_lost=True,        # a killed worker's job goes back
+        worker_prefetch_multiplier=1,           # a worker holds one job at a time
+        task_ignore_result=True,                # results live in Postgres
+        task_default_queue="replay.unrouted",
+        broker_transport_options={"visibility_timeout": settings.replay_visibility_timeout_s},
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=5,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=False,
+    )
+    return app
+
+
+@lru_cache(maxsize=4)
+def _celery_for(broker_url: str, visibility: int) -> Celery:
+    return make_celery(Settings(broker_url=broker_url, replay_visibility_timeout_s=visibility))
+
+
+class CeleryPublisher:
+    def __init__(self, settings: Settings) -> None:
+        self.app = _celery_for(settings.broker_url, settings.replay_visibility_timeout_s)
+        self.expires = settings.replay_expires_s
+
+    def publish(self, job_id: str, fingerprint_id: str) -> None:
+        self.app.send_task(TASK_REPLAY, args=[job_id], queue=replay_queue(fingerprint_id),
+                           expires=self.expires, retry=False)
+
+
+class InProcessPublisher:
+    """Hands jobs to a callback on a background thread (the demo's in-process worker)."""
+
+    def __init__(self, run: Callable[[str], None], fingerprints: set[str]) -> None:
+        self.run = run
+        self.fingerprints = fingerprints
+        self.threads: list[threading.Thread] = []
+
+    def publish(self, job_id: str, fingerprint_id: str) -> None:
+        if fingerprint_id not in self.fingerprints:
+            return  # nobody consumes that queue here; the job waits, as with Redis
+        t = threading.Thread(target=self.run, args=(job_id,), daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def join(self, timeout: float = 60) -> None:
+        for t in self.threads:
+            t.join(timeout)

@@ -1,0 +1,184 @@
+"""Scheduled re-verification: policies sample recorded envelopes window by window and
+replay them in batches grouped by fingerprint; each run has a drift report.
+
+Windows of a policy are ``[first_window_start + k * interval, + interval)``. A window is
+claimed once it has ended, by inserting its run row (unique per policy and window start),
+so running the sampler twice, or twice at once, creates and publishes its jobs once. The
+candidates of a window are the envelopes recorded in it, shifted back by ``min_age`` (so
+each envelope belongs to exactly one window and is old enough), filtered by the policy.
+Sampling is deterministic: candidates are ranked by SHA-256(policy id || request_id).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import Counter, defaultdict
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Engine, func, select, text
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.orm import Session
+
+from ledger.db.models import (
+    Envelope,
+    ReplayJob,
+    ReverificationPolicy,
+    ReverificationRun,
+    Verdict,
+)
+from ledger.db.session import session_scope
+from ledger.errors import NotFound
+from ledger.replay import jobs
+from ledger.settings import Settings
+
+JOB_BATCH = 32          # envelopes per replay job
+MAX_WINDOWS_PER_TICK = 20
+
+
+def window_start_for(policy: ReverificationPolicy, at: datetime) -> datetime:
+    step = timedelta(seconds=policy.interval_seconds)
+    k = (at - policy.first_window_start) // step
+    return policy.first_window_start + k * step
+
+
+def due_windows(policy: ReverificationPolicy, claimed: set[datetime],
+                now: datetime) -> list[datetime]:
+    step = timedelta(seconds=policy.interval_seconds)
+    out = []
+    start = policy.first_window_start
+    if policy.max_age_seconds is not None:  # never look further back than max_age
+        floor = now - timedelta(seconds=policy.max_age_seconds)
+        if start < floor:
+            start = window_start_for(policy, floor)
+    while start + step <= now and len(out) < MAX_WINDOWS_PER_TICK:
+        if start not in claimed:
+            out.append(start)
+        start += step
+    return out
+
+
+def sample(session: Session, policy: ReverificationPolicy, window_start: datetime,
+           now: datetime) -> list[tuple[int, str, str]]:
+    """(log index, request_id, fingerprint_id) of the window's deterministic sample."""
+    lag = timedelta(seconds=policy.min_age_seconds)
+    lo = window_start - lag
+    hi = window_start + timedelta(seconds=policy.interval_seconds) - lag
+    conds = ["recorded_at >= :lo", "recorded_at < :hi"]
+    params: dict[str, Any] = {"lo": lo, "hi": hi, "seed": str(policy.id)}
+    if policy.max_age_seconds is not None:
+        conds.append("recorded_at >= :oldest")
+        params["oldest"] = now - timedelta(seconds=policy.max_age_seconds)
+    for column in ("model_sha256", "fingerprint_id", "channel"):
+        value = getattr(policy, column)
+        if value:
+            conds.append(f"{column} = :{column}")
+            params[column] = value
+    rank = "sha256(convert_to(:seed || request_id, 'UTF8'))"
+    where = " AND ".join(conds)
+    if policy.sample_size is not None:
+        sql = (f"SELECT log_index, request_id, fingerprint_id FROM envelopes WHERE {where} "  # noqa: S608
+               f"ORDER BY {rank} LIMIT :n")
+        params["n"] = policy.sample_size
+    else:
+        # keep a candidate when its rank, read as a fraction of 2^64, is below the rate
+        sql = (f"SELECT log_index, request_id, fingerprint_id FROM envelopes WHERE {where} "  # noqa: S608
+               f"AND ('x' || substr(encode({rank}, 'hex'), 1, 15))::bit(60)::bigint "
+               f"< :threshold ORDER BY log_index")
+        params["threshold"] = int((policy.sample_rate or 0) * (1 << 60))
+    return [(r[0], r[1], r[2]) for r in session.execute(text(sql), params)]
+
+
+def claim_window(session: Session, policy: ReverificationPolicy, window_start: datetime,
+                 settings: Settings, now: datetime) -> ReverificationRun | None:
+    """Claim one window and create its jobs; None if another sampler claimed it."""
+    run_id = uuid.uuid4()
+    window_end = window_start + timedelta(seconds=policy.interval_seconds)
+    inserted = session.execute(pg_insert(ReverificationRun).values(
+        id=run_id, policy_id=policy.id, kind="policy", window_start=window_start,
+        window_end=window_end, details={"policy": policy.name}).on_conflict_do_nothing(
+        index_elements=["policy_id", "window_start"]).returning(ReverificationRun.id)).first()
+    if inserted is None:
+        return None
+    picked = sample(session, policy, window_start, now)
+    by_fp: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for index, rid, fp in picked:
+        by_fp[fp].append((index, rid))
+    for fp, items in sorted(by_fp.items()):
+        for start in range(0, len(items), JOB_BATCH):
+            chunk = items[start:start + JOB_BATCH]
+            jobs.create_job(session, fingerprint_id=fp, kind="reverification",
+                            items=[(i, r, None) for i, r in chunk], settings=settings,
+                            priority=0, run_id=run_id)
+    run = session.get(ReverificationRun, run_id)
+    assert run is not None
+    run.sampled = len(picked)
+    session.flush()
+    return run
+
+
+def run_due(engine: Engine, settings: Settings,
+            now: datetime | None = None) -> list[uuid.UUID]:
+    """Claim every due window of every enabled policy (the beat calls this each tick)."""
+    now = now or datetime.now(UTC)
+    made: list[uuid.UUID] = []
+    with session_scope(engine) as session:
+        policies = list(session.scalars(select(ReverificationPolicy).where(
+            ReverificationPolicy.enabled.is_(True))))
+        for policy in policies:
+            claimed = set(session.scalars(select(ReverificationRun.window_start).where(
+                ReverificationRun.policy_id == policy.id)))
+            for window_start in due_windows(policy, claimed, now):
+                run = claim_window(session, policy, window_start, settings, now)
+                if run is not None:
+                    made.append(run.id)
+    return made
+
+
+def report(session: Session, run_id: str) -> dict[str, Any]:
+    try:
+        rid = uuid.UUID(run_id)
+    except ValueError as exc:
+        raise NotFound(f"no re-verification run {run_id}") from exc
+    run = session.get(ReverificationRun, rid)
+    if run is None:
+        raise NotFound(f"no re-verification run {run_id}")
+    job_rows = session.execute(select(ReplayJob.id, ReplayJob.state, ReplayJob.fingerprint_id)
+                               .where(ReplayJob.run_id == rid)).all()
+    verdicts = session.execute(
+        select(Verdict.request_id, Verdict.outcome, Verdict.tier, Verdict.verdict_id,
+               Verdict.details, Envelope.fingerprint_id, Envelope.model_sha256,
+               Envelope.model_name)
+        .join(Envelope, Envelope.log_index == Verdict.envelope_index)
+        .join(ReplayJob, ReplayJob.id == Verdict.job_id)
+        .where(ReplayJob.run_id == rid)).all()
+    outcomes = Counter(v.outcome for v in verdicts)
+    tiers = Counter(v.tier for v in verdicts if v.outcome == "reproduced")
+    drift: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+    for v in verdicts:
+        drift[(v.fingerprint_id, v.model_sha256)][v.outcome] += 1
+    per_group = []
+    for (fp, model), counts in sorted(drift.items()):
+        judged = counts["reproduced"] + counts["diverged"]
+        per_group.append({"fingerprint_id": fp, "model_sha256": model, "counts": dict(counts),
+                          "drift_rate": (counts["diverged"] / judged) if judged else None})
+    diverged = [{"request_id": v.request_id, "verdict_id": v.verdict_id,
+                 "first_divergence": (v.details.get("first_divergence") or {}).get("index")}
+                for v in verdicts if v.outcome == "diverged"]
+    pending = sum(1 for j in job_rows if j.state not in ("done", "poisoned", "failed"))
+    total_jobs = len(job_rows)
+    return {
+        "id": str(run.id), "kind": run.kind,
+        "policy_id": str(run.policy_id) if run.policy_id else None,
+        "window_start": run.window_start, "window_end": run.window_end,
+        "created_at": run.created_at, "sampled": run.sampled, "details": run.details,
+        "jobs": {"total": total_jobs, "pending": pending},
+        "complete": pending == 0 and len(verdicts) >= run.sampled,
+        "counts": dict(outcomes), "tiers": dict(tiers),
+        "drift": per_group, "diverged": diverged,
+    }
+
+
+def count_runs(session: Session, policy_id: uuid.UUID) -> int:
+    return int(session.scalar(select(func.count()).select_from(ReverificationRun).where(
+        ReverificationRun.policy_id == policy_id)) or 0)

@@ -1,0 +1,76 @@
+"""Shared pieces for replay tests: envelopes recorded by the reference engine the way a
+gateway would, under varied batch compositions."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from ledger.artifacts import artifact_hashes
+from ledger.producer import build_statement, envelope_to_json, output_from_result, sign_statement
+
+
+@dataclass
+class Recorded:
+    request_id: str
+    statement: dict[str, Any]
+    envelope: dict[str, Any]
+
+
+def record(engine: Any, producer: Ed25519PrivateKey, n: int, *, seed: int = 0,
+           prefix: str = "rec", max_tokens: int = 12) -> list[Recorded]:
+    """Run ``n`` requests through ``engine`` in mixed batches (sizes 1..7, shuffled
+    co-tenants, greedy and seeded sampling) and sign an envelope for each."""
+    from workers.engine.api import GenerationRequest, SamplingParams
+    from workers.engine.reference import TINY_DEMO_DIR
+
+    rng = random.Random(seed)
+    artifacts = artifact_hashes(TINY_DEMO_DIR, model_name="tiny-demo")
+    runtime = engine.runtime()
+    reqs = []
+    for i in range(n):
+        sampled = i % 3 == 1
+        sampling = {"temperature": 0.9 if sampled else 0.0, "top_p": 0.95 if sampled else 1.0,
+                    "max_tokens": max_tokens, "seed": 1000 + i, "logprobs": 2,
+                    "ignore_eos": i % 4 == 0}
+        prompt = tuple(rng.randrange(256) for _ in range(rng.randrange(3, 40)))
+        reqs.append((f"{prefix}-{seed}-{i}", prompt, sampling))
+    out: list[Recorded] = []
+    pos = 0
+    while pos < len(reqs):
+        size = rng.randrange(1, 8)
+        batch = reqs[pos:pos + size]
+        pos += size
+        results = engine.generate([GenerationRequest(rid, p, SamplingParams.from_mapping(s))
+                                   for rid, p, s in batch], max_batch=size)
+        for (rid, prompt, sampling), res in zip(batch, results, strict=True):
+            st = build_statement(
+                request_id=rid, artifacts=artifacts, prompt_token_ids=prompt,
+                sampling=sampling, runtime=runtime,
+                output=output_from_result(res.token_ids, res.finish_reason, res.logprobs,
+                                          res.top_logprobs, res.logits_sha256))
+            out.append(Recorded(rid, st, envelope_to_json(sign_statement(st, producer))))
+    return out
+
+
+def tamper(rec: Recorded, producer: Ed25519PrivateKey, k: int, new_request_id: str) -> Recorded:
+    """A compromised gateway's edit: change output token k, re-sign with the producer key."""
+    from ledger.core.envelope import output_digest
+
+    st = __import__("copy").deepcopy(rec.statement)
+    st["predicate"]["request_id"] = new_request_id
+    tokens = st["predicate"]["output"]["token_ids"]
+    tokens[k] = (tokens[k] + 1) % 256
+    st["subject"] = [{"name": new_request_id, "digest": {"sha256": output_digest(tokens)}}]
+    return Recorded(new_request_id, st, envelope_to_json(sign_statement(st, producer)))
+
+
+@pytest.fixture(scope="session")
+def tiny_engine() -> Any:
+    from workers.engine import load_engine
+
+    return load_engine("tiny-demo")

@@ -1,0 +1,56 @@
+"""`ledger worker`: a Celery worker that consumes only ``replay.<its fingerprint_id>``.
+
+Solo pool, prefetch 1, late acks: the process that loaded the engine is the one that runs
+the job, nothing forks after CUDA is initialised, and a job whose worker dies goes back to
+the queue (Redis redelivers unacknowledged messages after the visibility timeout; the
+sweeper in ``ledger beat`` re-publishes sooner, once the dead worker's heartbeat stops).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ledger.core.fingerprint import replay_queue
+from ledger.db.session import make_engine, session_scope
+from ledger.replay.broker import TASK_REPLAY, make_celery
+from ledger.replay.records import Signer
+from ledger.settings import Settings
+from workers.replay import ReplayWorker
+
+log = logging.getLogger("ledger.worker")
+
+
+def build_worker(settings: Settings, *, models: list[str], engine_name: str, device: str,
+                 dtype: str, max_batch: int, key_file: Path | None,
+                 register_key: bool = False) -> ReplayWorker:
+    signer = Signer.from_file(key_file or settings.worker_key_file, "worker", "replay-worker")
+    if signer is None:
+        raise SystemExit("a worker needs its signing key: --key FILE or LEDGER_WORKER_KEY_FILE")
+    db = make_engine(settings, pool_size=3)
+    worker = ReplayWorker(settings, db, models=models, engine_name=engine_name, device=device,
+                          dtype=dtype, max_batch=max_batch, signer=signer)
+    if register_key:
+        with session_scope(db) as session:
+            signer.ensure_registered(session)
+    return worker
+
+
+def serve(worker: ReplayWorker, settings: Settings, *, loglevel: str = "INFO") -> None:
+    app = make_celery(settings)
+
+    @app.task(name=TASK_REPLAY, bind=True, acks_late=True, reject_on_worker_lost=True)
+    def replay_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
+        return worker.run_job(job_id)
+
+    worker.register()
+    worker.start_heartbeat()
+    queue = replay_queue(worker.fingerprint_id)
+    log.warning("worker %s consuming %s", worker.worker_id, queue)
+    try:
+        app.worker_main(["worker", "--queues", queue, "--pool", "solo", "--concurrency", "1",
+                         "--hostname", f"{worker.worker_id}@%h", "--without-gossip",
+                         "--without-mingle", "--loglevel", loglevel, "--prefetch-multiplier",
+                         "1"])
+    finally:
+        worker.stop()

@@ -1,0 +1,419 @@
+"""The replay worker: re-runs recorded requests on a matching runtime and signs verdicts.
+
+Before it consumes anything a worker knows its runtime fingerprint, has hashed the models
+it holds (by the documented artifact rule), and has passed a batch-invariance self-check on
+its own engine. Each delivered job is re-checked here: its fingerprint must be this
+worker's (a foreign job is refused, not replayed), every envelope's signature and its
+inclusion in the log are verified against the latest signed checkpoint, the model is found
+by artifact hash, and only then is the request replayed and compared.
+
+Runs inside ``ledger worker`` (Celery, one process per GPU set, solo pool, prefetch 1), or
+in-process for ``ledger demo``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+from ledger import __version__
+from ledger.artifacts import model_sha256
+from ledger.core import dsse
+from ledger.core.compare import Side, compare
+from ledger.core.envelope import Limits, index_fields, parse_statement
+from ledger.core.errors import LedgerError
+from ledger.core.fingerprint import fingerprint_id as compute_fingerprint_id
+from ledger.core.logentry import dsse_digest, log_entry_bytes
+from ledger.core.merkle import leaf_hash, verify_inclusion
+from ledger.core.note import open_checkpoint
+from ledger.db.models import Envelope, ReplayJob, ReplayJobItem, SigningKey, Worker
+from ledger.db.session import session_scope
+from ledger.log import proofs
+from ledger.log.signer import log_verifiers
+from ledger.replay import jobs as job_service
+from ledger.replay.records import Signer
+from ledger.replay.verdicts import store_verdict
+from ledger.settings import Settings
+from workers.engine.api import GenerationRequest, GenerationResult, SamplingParams
+
+log = logging.getLogger("ledger.worker")
+
+#: Generous limits for reading envelopes back: the ledger already enforced its own.
+READ_LIMITS = Limits(max_prompt_tokens=10**7, max_output_tokens=10**7, max_token_id=2**31,
+                     max_top_logprobs=10**4)
+
+
+class SelfCheckFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class HeldModel:
+    model_sha256: str
+    name: str
+    path: str
+
+
+@dataclass
+class Prepared:
+    """One job item after every check; ``problem`` set means unverifiable, no replay."""
+
+    item: ReplayJobItem
+    problem: str | None = None
+    model_sha256: str | None = None
+    request: GenerationRequest | None = None
+    recorded: Side | None = None
+    tier: str = "bitwise"
+    tolerance: float | None = None
+    checkpoint: dict[str, Any] = field(default_factory=dict)
+
+
+def hold_models(models: Sequence[str | Path]) -> dict[str, HeldModel]:
+    """Hash every model the worker holds: a directory of model directories, model
+    directories, or the name ``tiny-demo``."""
+    from workers.engine.reference import TINY_DEMO_NAME, resolve_model_dir
+
+    held: dict[str, HeldModel] = {}
+    for spec in models:
+        paths: list[tuple[str, Path]]
+        if str(spec) == TINY_DEMO_NAME:
+            paths = [(TINY_DEMO_NAME, resolve_model_dir(TINY_DEMO_NAME))]
+        elif (Path(spec) / "config.json").is_file():
+            paths = [(Path(spec).name, Path(spec))]
+        else:
+            paths = [(p.name, p) for p in sorted(Path(spec).iterdir())
+                     if (p / "config.json").is_file()]
+        for name, path in paths:
+            digest = model_sha256(path)
+            held[digest] = HeldModel(digest, name, str(path))
+    return held
+
+
+class ReplayWorker:
+    def __init__(self, settings: Settings, db: Engine, *, models: Sequence[str | Path],
+                 engine_name: str = "reference", device: str = "cpu", dtype: str = "float32",
+                 max_batch: int = 32, signer: Signer) -> None:
+        self.settings = settings
+        self.db = db
+        self.engine_name = engine_name
+        self.device = device
+        self.dtype = dtype
+        self.max_batch = max_batch
+        self.signer = signer
+        self.models = hold_models(models)
+        if not self.models:
+            raise ValueError(f"no model directories found in {list(models)}")
+        self._engines: dict[str, Any] = {}
+        first = next(iter(self.models))
+        self.runtime = self.engine_for(first).runtime()
+        self.fingerprint_id = compute_fingerprint_id(self.runtime)
+        self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._stop = threading.Event()
+        self._heartbeat: threading.Thread | None = None
+
+    # --------------------------------------------------------------------- engines
+    def engine_for(self, digest: str) -> Any:
+        if digest not in self._engines:
+            held = self.models[digest]
+            if self.engine_name == "vllm":
+                from workers.engine.vllm_adapter import VLLMEngine
+
+                self._engines[digest] = VLLMEngine(held.path, dtype=self.dtype)
+            else:
+                from workers.engine import load_engine
+
+                self._engines[digest] = load_engine(held.path, device=self.device,
+                                                    dtype=self.dtype)
+        return self._engines[digest]
+
+    def self_check(self, n: int = 6) -> None:
+        """Each request alone vs all together with co-tenants: must be bit-identical."""
+        rng = random.Random(1234)
+        for digest in self.models:
+            engine = self.engine_for(digest)
+            vocab = int(getattr(engine, "config").vocab_size) if hasattr(engine, "config") \
+                else 256
+            reqs = [GenerationRequest(
+                id=f"self-check-{i}",
+                prompt_token_ids=tuple(rng.randrange(min(vocab, 256)) for _ in range(
+                    rng.randrange(2, 24))),
+                sampling=SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, seed=i,
+                                        max_tokens=8, logprobs=2, ignore_eos=True))
+                for i in range(n)]
+            alone = [engine.generate([r], max_batch=1)[0] for r in reqs]
+            together = engine.generate(reqs, max_batch=n)
+            for a, b in zip(alone, together, strict=True):
+                if (a.token_ids, a.logprobs, a.logits_sha256) != (b.token_ids, b.logprobs,
+                                                                   b.logits_sha256):
+                    raise SelfCheckFailed(
+                        f"{self.models[digest].name}: request {a.id} differs alone vs in a "
+                        f"batch of {n}; this engine is not batch invariant here")
+
+    # ------------------------------------------------------------------ registration
+    def register(self) -> None:
+        with session_scope(self.db) as session:
+            key = session.get(SigningKey, self.signer.keyid)
+            if key is None or key.purpose != "worker" or key.status != "active":
+                raise RuntimeError(
+                    f"the worker key {self.signer.keyid} is not an active registered worker "
+                    "key: register it with `ledger keys register KEY.pub --purpose worker`")
+            now = datetime.now(UTC)
+            row = {"worker_id": self.worker_id, "fingerprint_id": self.fingerprint_id,
+                   "runtime": self.runtime,
+                   "models": [{"model_sha256": m.model_sha256, "name": m.name}
+                              for m in self.models.values()],
+                   "engine": self.engine_name, "version": __version__,
+                   "keyid": self.signer.keyid, "hostname": socket.gethostname(),
+                   "pid": os.getpid(), "started_at": now, "last_heartbeat": now}
+            session.execute(pg_insert(Worker).values(**row).on_conflict_do_update(
+                index_elements=["worker_id"], set_={"last_heartbeat": now, "stopped_at": None}))
+
+    def heartbeat_once(self) -> None:
+        with session_scope(self.db) as session:
+            session.execute(Worker.__table__.update().where(
+                Worker.worker_id == self.worker_id).values(last_heartbeat=datetime.now(UTC)))
+
+    def start_heartbeat(self) -> None:
+        def beat() -> None:
+            while not self._stop.wait(self.settings.worker_heartbeat_s):
+                try:
+                    self.heartbeat_once()
+                except Exception as exc:  # noqa: BLE001 - database blips must not kill us
+                    log.warning("heartbeat failed: %s", exc)
+
+        self._heartbeat = threading.Thread(target=beat, name="ledger-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:
+            with session_scope(self.db) as session:
+                session.execute(Worker.__table__.update().where(
+                    Worker.worker_id == self.worker_id).values(stopped_at=datetime.now(UTC)))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not mark the worker stopped: %s", exc)
+
+    # ------------------------------------------------------------------------ jobs
+    def run_job(self, job_id: str) -> str:
+        """Handle one delivery of a job; returns what was done (for logs and tests)."""
+        with session_scope(self.db) as session:
+            job, claim = job_service.claim(session, job_id, worker_id=self.worker_id,
+                                           fingerprint_id=self.fingerprint_id,
+                                           settings=self.settings)
+            if claim.action == "poison" and job is not None:
+                self._conclude(session, job, [], outcome_all=("error", claim.reason),
+                               state="poisoned")
+        if claim.action != "run":
+            log.info("job %s: %s (%s)", job_id, claim.action, claim.reason)
+            return claim.action
+        started = time.perf_counter()
+        try:
+            prepared = self._prepare(job_id)
+            results = self._replay(prepared)
+        except Exception as exc:
+            log.exception("job %s failed", job_id)
+            self._failed(job_id, f"{type(exc).__name__}: {exc}")
+            return "failed"
+        duration_ms = (time.perf_counter() - started) * 1000
+        with session_scope(self.db) as session:
+            job = session.get(ReplayJob, uuid.UUID(job_id), with_for_update=True)
+            assert job is not None
+            if job.state != "running" or job.worker_id != self.worker_id:
+                return "skip"  # the sweeper gave it to another worker meanwhile
+            self._conclude(session, job, list(zip(prepared, results, strict=True)),
+                           duration_ms=duration_ms)
+        return "done"
+
+    def _prepare(self, job_id: str) -> list[Prepared]:
+        with session_scope(self.db) as session:
+            kind = session.scalar(select(ReplayJob.kind).where(
+                ReplayJob.id == uuid.UUID(job_id)))
+            items = list(session.scalars(select(ReplayJobItem).where(
+                ReplayJobItem.job_id == uuid.UUID(job_id)).order_by(ReplayJobItem.position)))
+            session.expunge_all()
+        # A gate job replays envelopes of an *earlier* fingerprint on this new runtime on
+        # purpose; every other job must match this worker's fingerprint exactly.
+        return [self._check_item(item, foreign_ok=kind == "gate") for item in items]
+
+    def _check_item(self, item: ReplayJobItem, *, foreign_ok: bool = False) -> Prepared:
+        """Signature, inclusion, fingerprint, artifacts, sampling: anything that fails makes
+        the item unverifiable with the reason."""
+        fault = self.settings.fault_crash_on_request_id
+        if fault and item.request_id == fault:
+            log.error("fault injection: exiting abruptly while replaying %s", fault)
+            os._exit(137)
+        prep = Prepared(item)
+        deadline = time.monotonic() + 30
+        with session_scope(self.db) as session:
+            env = session.get(Envelope, item.envelope_index)
+            if env is None:
+                prep.problem = "the envelope record is missing"
+                return prep
+            keys = {k.keyid: bytes(k.public_key) for k in session.scalars(
+                select(SigningKey).where(SigningKey.purpose == "producer"))}
+            try:
+                envelope = dsse.envelope_from_json(bytes(env.dsse))
+                dsse.verify_envelope(envelope, lambda kid: keys[kid])
+            except (LedgerError, KeyError) as exc:
+                prep.problem = f"bad signature: {exc}"
+                return prep
+            while True:
+                try:
+                    receipt = proofs.inclusion(session, item.envelope_index)
+                    break
+                except proofs.NotYetIntegrated:
+                    session.rollback()
+                    if time.monotonic() > deadline:
+                        prep.problem = "the envelope is not in a signed checkpoint yet"
+                        return prep
+                    time.sleep(0.2)
+            try:
+                checkpoint = open_checkpoint(receipt.checkpoint.note,
+                                             log_verifiers(session, self.settings.log_name),
+                                             origin=self.settings.log_name)
+                want = log_entry_bytes("envelope", item.request_id,
+                                       dsse_digest(envelope.canonical_bytes()))
+                if want != receipt.entry:
+                    raise LedgerError("the log entry does not commit to this envelope")
+                verify_inclusion(leaf_hash(want), item.envelope_index, checkpoint.size,
+                                 receipt.proof, checkpoint.root_hash)
+            except LedgerError as exc:
+                prep.problem = f"not verifiably in the log: {exc.message}"
+                return prep
+            prep.checkpoint = {"tree_size": checkpoint.size,
+                               "root_hash": checkpoint.root_hash.hex()}
+        try:
+            statement = parse_statement(envelope.payload, READ_LIMITS)
+        except LedgerError as exc:
+            prep.problem = f"the envelope does not parse: {exc.message}"
+            return prep
+        p = statement.predicate
+        if not foreign_ok and index_fields(statement).fingerprint_id != self.fingerprint_id:
+            prep.problem = (f"the envelope's fingerprint {index_fields(statement).fingerprint_id}"
+                            f" is not this worker's {self.fingerprint_id}")
+            return prep
+        if p.artifacts.model_sha256 not in self.models:
+            prep.problem = (f"model {p.artifacts.model_sha256} ({p.artifacts.model_name}) is "
+                            "not on this worker")
+            return prep
+        sampling = p.sampling.model_dump()
+        try:
+            params = SamplingParams.from_mapping(sampling)
+            from workers.engine.sampling import validate
+
+            validate(params)
+        except (ValueError, TypeError) as exc:
+            prep.problem = f"unsupported sampling contract: {exc}"
+            return prep
+        prep.model_sha256 = p.artifacts.model_sha256
+        prep.request = GenerationRequest(id=item.request_id,
+                                         prompt_token_ids=tuple(p.prompt_token_ids),
+                                         sampling=params)
+        out = p.output
+        prep.recorded = Side(
+            token_ids=out.token_ids, finish_reason=out.finish_reason, logprobs=out.logprobs,
+            top_logprobs=[[(e.token_id, e.logprob) for e in step] for step in out.top_logprobs]
+            if out.top_logprobs is not None else None,
+            logits_sha256=out.logits_sha256)
+        prep.tier = p.tier
+        prep.tolerance = p.tolerance.max_abs_logprob_diff if p.tolerance else None
+        return prep
+
+    def _replay(self, prepared: list[Prepared]) -> list[GenerationResult | None]:
+        """Run every replayable item, one batch per model, in job order."""
+        results: list[GenerationResult | None] = [None] * len(prepared)
+        by_model: dict[str, list[int]] = {}
+        for i, prep in enumerate(prepared):
+            if prep.problem is None and prep.model_sha256 is not None:
+                by_model.setdefault(prep.model_sha256, []).append(i)
+        for digest, positions in by_model.items():
+            engine = self.engine_for(digest)
+            reqs = [prepared[i].request for i in positions]
+            outs = engine.generate([r for r in reqs if r is not None], max_batch=self.max_batch)
+            for i, res in zip(positions, outs, strict=True):
+                results[i] = res
+        return results
+
+    def _verdict_details(self, prep: Prepared, result: GenerationResult | None,
+                         duration_ms: float, job: ReplayJob) -> tuple[str, dict[str, Any]]:
+        base = {"job_id": str(job.id), "replay_duration_ms": round(duration_ms, 3),
+                "replayed_at": datetime.now(UTC).isoformat(),
+                "checkpoint": prep.checkpoint,
+                "worker": {"worker_id": self.worker_id, "fingerprint_id": self.fingerprint_id,
+                           "runtime": self.runtime}}
+        if prep.problem is not None or result is None or prep.recorded is None:
+            return "unverifiable", {**base, "tier": None, "reason": prep.problem}
+        tolerance = prep.tolerance if prep.tolerance is not None else job.tolerance
+        requested = prep.tier if job.tolerance is None else "tolerance"
+        cmp = compare(prep.recorded, Side(result.token_ids, result.finish_reason,
+                                          result.logprobs, result.top_logprobs,
+                                          result.logits_sha256),
+                      requested_tier=requested, tolerance=tolerance)
+        details = {**base, **cmp.to_json(),
+                   "replayed": {"tokens": len(result.token_ids),
+                                "finish_reason": result.finish_reason,
+                                "token_ids_sha256": hashlib.sha256(
+                                    ("[" + ",".join(map(str, result.token_ids)) + "]").encode()
+                                ).hexdigest()},
+                   "reason": None}
+        details["first_divergence"] = details.pop("divergence")
+        return cmp.outcome, details
+
+    def _conclude(self, session: Any, job: ReplayJob,
+                  pairs: list[tuple[Prepared, GenerationResult | None]], *,
+                  duration_ms: float = 0.0, outcome_all: tuple[str, str] | None = None,
+                  state: str = "done") -> None:
+        """Sign and store every verdict, finish the job: one transaction."""
+        if outcome_all is not None:
+            items = list(session.scalars(select(ReplayJobItem).where(
+                ReplayJobItem.job_id == job.id).order_by(ReplayJobItem.position)))
+            outcome, reason = outcome_all
+            for item in items:
+                details = {"job_id": str(job.id), "tier": None, "reason": reason,
+                           "replayed_at": datetime.now(UTC).isoformat(),
+                           "worker": {"worker_id": self.worker_id,
+                                      "fingerprint_id": self.fingerprint_id}}
+                store_verdict(session, job=job, item=item, outcome=outcome, details=details,
+                              worker_id=self.worker_id, fingerprint_id=self.fingerprint_id,
+                              signer=self.signer)
+            job_service.finish(session, job, state=state, worker_id=self.worker_id,
+                               detail=reason)
+            return
+        for prep, result in pairs:
+            item = session.get(ReplayJobItem, (job.id, prep.item.position))
+            outcome, details = self._verdict_details(prep, result, duration_ms, job)
+            store_verdict(session, job=job, item=item, outcome=outcome, details=details,
+                          worker_id=self.worker_id, fingerprint_id=self.fingerprint_id,
+                          signer=self.signer)
+        job_service.finish(session, job, state=state, worker_id=self.worker_id)
+
+    def _failed(self, job_id: str, error: str) -> None:
+        """An engine failure: retry through the sweeper, or an ``error`` verdict once the
+        attempts are spent."""
+        with session_scope(self.db) as session:
+            job = session.get(ReplayJob, uuid.UUID(job_id), with_for_update=True)
+            if job is None or job.state != "running" or job.worker_id != self.worker_id:
+                return
+            if job.attempts >= job.max_attempts:
+                self._conclude(session, job, [], outcome_all=(
+                    "error", f"engine failure after {job.attempts} attempts: {error}"),
+                    state="failed")
+                return
+            job_service.finish(session, job, state="queued", worker_id=self.worker_id,
+                               detail=error, attempt_outcome="error")
+            job.finished_at, job.worker_id, job.published_at = None, None, None
+            job.state_reason = f"attempt {job.attempts} failed: {error}"
