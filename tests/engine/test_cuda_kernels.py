@@ -1,0 +1,324 @@
+"""Batch-invariant Triton kernels: invariance and accuracy.
+
+Without a GPU these run the very same kernels under the Triton interpreter (CPU tensors,
+small shapes); the interpreter's arithmetic is not the GPU's, so what they establish is the
+kernels' structure: the same row gives the same bits whatever batch it sits in, every
+execution path of ``bi_linear`` agrees bit for bit, and results match float64 references.
+Tests marked ``gpu`` repeat the checks at Llama-3-8B shapes on CUDA.
+(benchmarks/kernels_cuda.py is the full GPU run: every batch size 1..64, timings.)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+CUDA = torch.cuda.is_available()
+_TRITON_ALREADY_IMPORTED = "triton" in sys.modules
+if not CUDA:
+    # Interpreter mode is fixed when triton's own @jit helpers (tl.max, tl.sum, ...) are
+    # decorated, i.e. at the first `import triton` of the process.
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from workers.engine import cuda_kernels as ck  # noqa: E402
+
+if not CUDA:
+    if _TRITON_ALREADY_IMPORTED and not ck._interpreting():
+        pytest.skip("triton was imported before interpreter mode could be set; run this file "
+                    "on its own (pytest tests/engine/test_cuda_kernels.py)",
+                    allow_module_level=True)
+    import triton.runtime.interpreter as _interp
+
+    if not getattr(_interp._patch_lang_tensor, "_numpy2", False):
+        _orig_patch = _interp._patch_lang_tensor
+
+        def _patch_numpy2(tensor, scope):  # type: ignore[no-untyped-def]
+            """Triton 3.6's interpreter int()s 1-element arrays; numpy >= 2.4 refuses."""
+            _orig_patch(tensor, scope)
+            scope.set_attr(tensor, "__index__",
+                           lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        _patch_numpy2._numpy2 = True  # type: ignore[attr-defined]
+        _interp._patch_lang_tensor = _patch_numpy2
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# Relative Frobenius error vs float64. The interpreter casts fp32 -> bf16 by truncation
+# (the GPU rounds to nearest), hence the looser bf16 bound off-GPU.
+TOL = {torch.bfloat16: 8e-3 if not CUDA else 5e-3, torch.float16: 1e-3, torch.float32: 1e-5}
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "non-finite output"
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype).to(DEV)
+
+
+# ----------------------------------------------------------------------------------------
+# The NUMERICS policy (pure Python: no kernel runs)
+# ----------------------------------------------------------------------------------------
+
+
+def test_k_segments_for_llama3_8b_are_pinned() -> None:
+    """Changing these changes output bits: bump KERNELS_VERSION together with this test."""
+    assert ck.KERNELS_VERSION == "bi-triton-2"
+    bf16 = torch.bfloat16
+    assert ck.linear_k_segment(4096, 4096, bf16) == 1024       # q, o
+    assert ck.linear_k_segment(1024, 4096, bf16) == 512        # k, v
+    assert ck.linear_k_segment(6144, 4096, bf16) == 2048       # fused qkv
+    assert ck.linear_k_segment(14336, 4096, bf16) == 4096      # gate, up
+    assert ck.linear_k_segment(28672, 4096, bf16) == 4096      # fused gate_up
+    assert ck.linear_k_segment(4096, 14336, bf16) == 3584      # down
+    assert ck.linear_k_segment(128256, 4096, bf16) == 4096     # lm_head
+    assert ck.KV_SPLIT == 256
+
+
+def test_linear_paths_share_the_numerics_tile_fields() -> None:
+    """The path may depend on M; the fields that fix the bits (block_n, block_k) may not."""
+    for n, k in [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]:
+        paths = {ck._linear_path(m, n, k, torch.bfloat16) for m in (1, 64, 65, 4096)}
+        assert {(t.block_n, t.block_k) for t, _ in paths} == {(128, 64)}
+        assert any(split for _, split in paths) == (ck.linear_k_segment(n, k, torch.bfloat16) < k)
+
+
+# ----------------------------------------------------------------------------------------
+# Linear
+# ----------------------------------------------------------------------------------------
+
+
+def _linear_rows_invariant(dtype: torch.dtype, n: int, k: int, sizes: list[int],
+                           bias: bool, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    w = randn(n, k, dtype=dtype, gen=gen) / math.sqrt(k)
+    b = randn(n, dtype=dtype, gen=gen) if bias else None
+    probe = randn(1, k, dtype=dtype, gen=gen)
+    alone = ck.bi_linear(probe, w, b)[0]
+    ref = probe.double() @ w.double().T + (b.double() if b is not None else 0)
+    assert rel_err(alone[None], ref) < TOL[dtype]
+    for m in sizes:
+        pos = int(torch.randint(0, m, (1,), generator=gen))
+        x = randn(m, k, dtype=dtype, gen=gen)
+        x[pos] = probe[0]
+        y = ck.bi_linear(x, w, b)
+        assert y.dtype == dtype and y.shape == (m, n)
+        assert torch.equal(y[pos], alone), f"row differs at M={m}, position {pos}"
+        full_ref = x.double() @ w.double().T + (b.double() if b is not None else 0)
+        assert rel_err(y, full_ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_row_is_batch_invariant(dtype: torch.dtype) -> None:
+    # K = 1024 -> two K segments of 512: exercises the split and the segmented fused paths
+    assert ck.linear_k_segment(256, 1024, dtype) == 512
+    _linear_rows_invariant(dtype, n=256, k=1024, sizes=[2, 64, 65, 130], bias=False, seed=0)
+
+
+@pytest.mark.slow
+def test_linear_ragged_shapes_with_bias() -> None:
+    # N, K not multiples of the tile; K not a multiple of the segment: fused path only
+    _linear_rows_invariant(torch.bfloat16, n=200, k=600, sizes=[3, 70], bias=True, seed=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_linear_paths_agree_bit_for_bit(dtype: torch.dtype) -> None:
+    """Split (with its last-program reduction) and fused, both tiles: identical outputs."""
+    gen = torch.Generator().manual_seed(2)
+    n, k = 256, 1024
+    w = randn(n, k, dtype=dtype, gen=gen)
+    few, many = ck._tiles(dtype)
+    for m in (1, 70):
+        x = randn(m, k, dtype=dtype, gen=gen)
+        outs = [ck._launch_linear(x, w, None, t, split)
+                for t in dict.fromkeys([few, many]) for split in (False, True)]
+        if dtype != torch.float32:  # bulk tensor (TMA) loads on the fused path
+            outs += [ck._launch_linear(x, w, None, t, False, tma=True) for t in (few, many)]
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0])
+    # the counters are left at zero for the next launch
+    assert int(ck._COUNTERS.get(DEV, 1).abs().sum()) == 0
+
+
+def test_linear_rejects_mixed_dtypes() -> None:
+    x = torch.zeros(2, 8, dtype=torch.bfloat16, device=DEV)
+    w = torch.zeros(4, 8, dtype=torch.float16, device=DEV)
+    with pytest.raises(AssertionError):
+        ck.bi_linear(x, w)
+
+
+# ----------------------------------------------------------------------------------------
+# RMSNorm and log-softmax
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rms_norm_invariant_and_accurate(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    d = 300
+    w = randn(d, dtype=dtype, gen=gen)
+    x = randn(9, d, dtype=dtype, gen=gen) * 3
+    y = ck.bi_rms_norm(x, w, 1e-5)
+    xd = x.double()
+    ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert y.dtype == dtype
+    assert rel_err(y, ref) < 2 * TOL[dtype]  # two roundings: after normalising, after scaling
+    for i in (0, 4, 8):
+        assert torch.equal(ck.bi_rms_norm(x[i:i + 1], w, 1e-5)[0], y[i])
+    assert torch.equal(ck.bi_rms_norm(x[2:7], w, 1e-5), y[2:7])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_log_softmax_invariant_and_accurate(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    x = randn(5, 5000, dtype=dtype, gen=gen) * 4
+    y = ck.bi_log_softmax(x)
+    assert y.dtype == torch.float32
+    assert rel_err(y, torch.log_softmax(x.double(), -1)) < 1e-5
+    for i in (0, 4):
+        assert torch.equal(ck.bi_log_softmax(x[i:i + 1])[0], y[i])
+
+
+# ----------------------------------------------------------------------------------------
+# Decode attention
+# ----------------------------------------------------------------------------------------
+
+
+def ref_decode(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, lens: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    g = q.shape[1] // kc.shape[1]
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        k = kc[b, :, :n].double().repeat_interleave(g, 0)
+        v = vc[b, :, :n].double().repeat_interleave(g, 0)
+        s = torch.einsum("hd,hsd->hs", q[b].double(), k) * scale
+        outs.append(torch.einsum("hs,hsd->hd", torch.softmax(s, -1), v))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_decode_attention_invariant_and_accurate(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d, s_alloc = 8, 2, 64, 600
+    scale = 1 / math.sqrt(d)
+    # caches: strided views of a [layers, slots, Hkv, S + pad, D] buffer, as the engine holds
+    kbuf = randn(2, 3, hkv, s_alloc + 40, d, dtype=dtype, gen=gen)
+    vbuf = randn(2, 3, hkv, s_alloc + 40, d, dtype=dtype, gen=gen)
+    kc, vc = kbuf[1, :, :, :s_alloc], vbuf[1, :, :, :s_alloc]
+    q = randn(3, hq, d, dtype=dtype, gen=gen)
+    lens = torch.tensor([1, 300, 600], dtype=torch.int32, device=DEV)  # 1, 2 and 3 KV splits
+    out = ck.bi_decode_attention(q, kc, vc, lens, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert rel_err(out, ref_decode(q, kc, vc, lens, scale)) < TOL[dtype]
+    # row 1 alone, in a smaller contiguous cache: same bits
+    alone = ck.bi_decode_attention(q[1:2], kc[1:2, :, :320].contiguous(),
+                                   vc[1:2, :, :320].contiguous(), lens[1:2], scale)
+    assert torch.equal(alone[0], out[1])
+    # row 2 in another slot, next to a row of another length
+    kc2 = torch.cat([kc[:1], kc[2:3]]).contiguous()
+    vc2 = torch.cat([vc[:1], vc[2:3]]).contiguous()
+    q2 = torch.stack([q[1], q[2]])
+    again = ck.bi_decode_attention(q2, kc2, vc2,
+                                   torch.tensor([17, 600], dtype=torch.int32, device=DEV), scale)
+    assert torch.equal(again[1], out[2])
+    assert int(ck._COUNTERS.get(DEV, 1).abs().sum()) == 0
+
+
+# ----------------------------------------------------------------------------------------
+# Prefill attention
+# ----------------------------------------------------------------------------------------
+
+
+def ref_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: list[int],
+                scale: float) -> torch.Tensor:
+    g = q.shape[1] // k.shape[1]
+    outs = []
+    for i in range(len(cu) - 1):
+        a, b = cu[i], cu[i + 1]
+        qq = q[a:b].double().transpose(0, 1)
+        kk = k[a:b].double().repeat_interleave(g, 1).transpose(0, 1)
+        vv = v[a:b].double().repeat_interleave(g, 1).transpose(0, 1)
+        s = qq @ kk.transpose(1, 2) * scale
+        n = b - a
+        s = s.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool, device=q.device), 1),
+                          float("-inf"))
+        outs.append((torch.softmax(s, -1) @ vv).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_prefill_attention_invariant_and_accurate(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(6)
+    hq, hkv, d = 4, 2, 32
+    scale = 1 / math.sqrt(d)
+    lens = [5, 130, 40]
+    cu = [0, *torch.cumsum(torch.tensor(lens), 0).tolist()]
+    t = cu[-1]
+    q, k, v = (randn(t, h, d, dtype=dtype, gen=gen) for h in (hq, hkv, hkv))
+    cu_t = torch.tensor(cu, dtype=torch.int32, device=DEV)
+    out = ck.bi_prefill_attention(q, k, v, cu_t, scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert rel_err(out, ref_prefill(q, k, v, cu, scale)) < TOL[dtype]
+    # the 130-token sequence alone, and first in a different pack: same bits
+    a, b = cu[1], cu[2]
+    alone = ck.bi_prefill_attention(q[a:b], k[a:b], v[a:b],
+                                    torch.tensor([0, b - a], dtype=torch.int32, device=DEV),
+                                    scale)
+    assert torch.equal(alone, out[a:b])
+    q2, k2, v2 = (torch.cat([x[a:b], x[:a]]) for x in (q, k, v))
+    repacked = ck.bi_prefill_attention(
+        q2, k2, v2, torch.tensor([0, b - a, b], dtype=torch.int32, device=DEV), scale)
+    assert torch.equal(repacked[: b - a], out[a:b])
+    assert torch.equal(repacked[b - a:], out[:a])
+
+
+# ----------------------------------------------------------------------------------------
+# GPU: Llama-3-8B shapes
+# ----------------------------------------------------------------------------------------
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)],
+                         ids=str)
+def test_gpu_linear_invariant_llama_shapes(dtype: torch.dtype, shape: tuple[int, int]) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    n, k = shape
+    _linear_rows_invariant(dtype, n, k, sizes=[*range(2, 65), 65, 128, 1000, 4096],
+                           bias=False, seed=7)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_decode_attention_invariant(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(8)
+    hq, hkv, d, s_alloc = 32, 8, 128, 1024
+    scale = 1 / math.sqrt(d)
+    pq = randn(hq, d, dtype=dtype, gen=gen)
+    pk = randn(hkv, 700, d, dtype=dtype, gen=gen)
+    pv = randn(hkv, 700, d, dtype=dtype, gen=gen)
+    alone = None
+    for bsz in (1, 2, 5, 16, 64):
+        pos = int(torch.randint(0, bsz, (1,), generator=gen))
+        kc = randn(bsz, hkv, s_alloc, d, dtype=dtype, gen=gen)
+        vc = randn(bsz, hkv, s_alloc, d, dtype=dtype, gen=gen)
+        kc[pos, :, :700], vc[pos, :, :700] = pk, pv
+        q = randn(bsz, hq, d, dtype=dtype, gen=gen)
+        q[pos] = pq
+        lens = torch.randint(1, s_alloc + 1, (bsz,), generator=gen).to(torch.int32)
+        lens[pos] = 700
+        out = ck.bi_decode_attention(q, kc, vc, lens.to(DEV), scale)[pos]
+        alone = out if alone is None else alone
+        assert torch.equal(out, alone), f"probe differs at B={bsz}"

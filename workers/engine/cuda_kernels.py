@@ -1,0 +1,794 @@
+# Triton kernels take untyped tensor handles and @triton.jit is untyped:
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+"""Batch-invariant CUDA kernels (Triton) for the reference engine.
+
+Batch invariance: every row's output bits depend only on that row's inputs (and the weights),
+never on how many other rows share the launch, where the row sits, or how large a cache was
+allocated. The engine's dispatch module imports this file lazily (CUDA, batch-invariant mode)
+and calls the five public functions below; nothing else is public API.
+
+How each kernel stays invariant (docs/cuda_kernels.md has the long version and the numbers):
+
+* ``bi_linear``: the reduction over K is fixed by the *weight* shape alone. K is cut into
+  segments of ``linear_k_segment(N, K, dtype)`` elements; each segment is one chain of MMA
+  steps (16 K-elements at a time, in K order) into a zero fp32 accumulator, and segment
+  sums are added left to right in fp32. Two execution paths compute exactly that: *split*
+  (one program per (tile, segment), partial sums to a workspace, the last program to finish
+  a tile adds them in segment order; an atomic counter only elects that program, it never
+  accumulates) for few-row calls, and *fused* (one program loops over all segments; TMA
+  loads for the many-rows tile) otherwise. Every path issues the same per-element chain of
+  wgmma m64n128k16 steps (ieee FMA for fp32), so the path and tile height chosen by M do not
+  change a bit. Measured, not assumed: benchmarks/kernels_cuda.py compares every path bit for
+  bit on the GPU (H200, 2026-11-29: no mismatch).
+* ``bi_rms_norm`` / ``bi_log_softmax``: one program per row, block size fixed by the row
+  length, so the reduction tree never sees another row.
+* ``bi_decode_attention``: split-KV with a fixed split *size* (``KV_SPLIT`` tokens), the
+  number of splits set by the row's own length, combined in split order by the last split
+  program of each (row, kv head). The grid covers the allocated cache length; programs past
+  a row's length do nothing, so neither B nor S nor other rows' lengths reach the math.
+* ``bi_prefill_attention``: flash-attention forward over packed sequences; query and key
+  blocks are aligned to each sequence's own start, so a sequence's tiles and loop order are
+  the same wherever it sits in the pack.
+
+References: Thinking Machines, "Defeating Nondeterminism in LLM Inference" (2025), and its
+``batch_invariant_ops``; vLLM ``model_executor/layers/batch_invariant.py``; the Triton
+tutorials (matmul, fused attention); Flash-Decoding (split-KV).
+
+Changing any constant marked NUMERICS changes output bits: bump ``KERNELS_VERSION`` (the engine
+records it in the runtime fingerprint).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+__all__ = [
+    "KERNELS_VERSION",
+    "KV_SPLIT",
+    "__version__",
+    "bi_decode_attention",
+    "bi_linear",
+    "bi_log_softmax",
+    "bi_prefill_attention",
+    "bi_rms_norm",
+    "linear_k_segment",
+]
+
+KERNELS_VERSION = "bi-triton-2"
+__version__ = KERNELS_VERSION  # read by workers.engine.runtime into the fingerprint
+
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------
+# Shared helpers
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """acc + a @ b with fp32 accumulation.
+
+    IEEE: fp32 operands, plain fp32 FMA (TF32 off). UPCAST: only under the Triton interpreter,
+    whose bf16 dot is broken (it multiplies the raw uint16 storage); bf16 -> fp32 is exact.
+    """
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc)
+
+
+def _interpreting() -> bool:
+    return isinstance(_linear_kernel, InterpretedFunction)
+
+
+def _check_dtype(t: torch.Tensor, name: str) -> None:
+    assert t.dtype in _SUPPORTED, f"{name}: unsupported dtype {t.dtype}"
+
+
+class _Counters:
+    """Per-device int32 counters used to elect the last program of a group.
+
+    Every launch that uses them leaves them at zero again (the elected program resets its
+    counter), so one zeroed buffer serves all launches on a stream. Allocate before CUDA
+    graph capture (any warm-up call does). One stream at a time per device.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+
+    def get(self, device: torch.device, n: int) -> torch.Tensor:
+        buf = self._buffers.get(device)
+        if buf is None or buf.numel() < n:
+            buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+            self._buffers[device] = buf
+        return buf
+
+
+_COUNTERS = _Counters()
+
+
+# ----------------------------------------------------------------------------------------
+# Linear: y = x @ weight.T + bias
+# ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Tile:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    group_m: int = 8
+
+
+# NUMERICS: block_n and block_k (and, for 16-bit types, that every tile's MMA is one
+# warpgroup's m64n128k16 wgmma) fix how each output element is summed. block_m, warps per
+# tile and stages only decide which rows run together; they may differ between the "few
+# rows" and "many rows" tiles because a row's bits do not depend on them (checked on the GPU).
+_TILE_FEW_16 = _Tile(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
+_TILE_MANY_16 = _Tile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+# fp32 with TF32 off: one FMA chain per element in K order; a single tile for every M.
+_TILE_32 = _Tile(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
+
+# NUMERICS: the K-segment policy. Segments are doubled until the few-row launch has
+# _SPLIT_TARGET_PROGRAMS programs, never below _MIN_K_SEGMENT elements, at most _MAX_SEGMENTS.
+# (Measured on the H200, bf16, M = 1 and 64: 4 segments best for 4096x4096, 4-8 for
+# 1024x4096, 1 for 14336x4096, 4 for 4096x14336; benchmarks/RESULTS.md.)
+_SPLIT_TARGET_PROGRAMS = 96
+_MIN_K_SEGMENT = 512
+_MAX_SEGMENTS = 16
+# Not numerics: rows at or below which the few-row tile is used.
+_FEW_ROWS = 64
+
+
+def _tiles(dtype: torch.dtype) -> tuple[_Tile, _Tile]:
+    if dtype == torch.float32:
+        return _TILE_32, _TILE_32
+    return _TILE_FEW_16, _TILE_MANY_16
+
+
+@functools.cache
+def linear_k_segment(n: int, k: int, dtype: torch.dtype) -> int:
+    """Length (in K elements) of one reduction segment for an [n, k] weight.
+
+    A function of the weight shape and dtype only, never of the number of rows.
+    """
+    few, _ = _tiles(dtype)
+    n_tiles = triton.cdiv(n, few.block_n)
+    segments = 1
+    while (
+        n_tiles * segments < _SPLIT_TARGET_PROGRAMS
+        and k // (2 * segments) >= _MIN_K_SEGMENT
+        and segments < _MAX_SEGMENTS
+    ):
+        segments *= 2
+    bk = few.block_k
+    return int(triton.cdiv(triton.cdiv(k, segments), bk) * bk)
+
+
+@triton.jit
+def _linear_step(acc, x_rows, w_cols, ki, offs_k, mask_m, mask_n, K, stride_xk, stride_wk,
+                 EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """acc + x[rows, block ki] @ weight[cols, block ki]^T."""
+    kk = ki * BLOCK_K + offs_k
+    if EVEN_K:
+        a = tl.load(x_rows + kk[None, :] * stride_xk, mask=mask_m[:, None], other=0.0)
+        b = tl.load(w_cols + kk[:, None] * stride_wk, mask=mask_n[None, :], other=0.0)
+    else:
+        mask_k = kk < K
+        a = tl.load(x_rows + kk[None, :] * stride_xk,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)          # [BM, BK]
+        b = tl.load(w_cols + kk[:, None] * stride_wk,
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)          # [BK, BN]
+    return _mma(a, b, acc, IEEE, UPCAST)
+
+
+@triton.jit(do_not_specialize=["M", "seg_iters"])
+def _linear_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
+    M, N, K,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
+    seg_iters,                    # K blocks per segment (NUMERICS)
+    SEG_ITERS: tl.constexpr,      # the same, as a constant, on the split path only
+    SPLIT: tl.constexpr,          # one program per (tile, segment)
+    ONE_SEGMENT: tl.constexpr,    # fused path and K fits in one segment
+    HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Grouped tile order (L2 reuse); which rows share a tile never changes a row's bits.
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm            # [BM, 1]
+    w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn            # [1, BN]
+
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SPLIT:
+        # One segment; the host only splits when segments tile K exactly, and a constant
+        # trip count keeps the wgmma pipeline asynchronous (ptxas C7515 otherwise).
+        k_first = tl.program_id(1) * SEG_ITERS
+        for i in range(0, SEG_ITERS):
+            acc = _linear_step(acc, x_rows, w_cols, k_first + i, offs_k, mask_m, mask_n, K,
+                               stride_xk, stride_wk, True, IEEE, UPCAST, BLOCK_K)
+        total = total + acc
+    else:
+        k_iters = tl.cdiv(K, BLOCK_K)
+        for ki in range(0, k_iters):
+            acc = _linear_step(acc, x_rows, w_cols, ki, offs_k, mask_m, mask_n, K,
+                               stride_xk, stride_wk, EVEN_K, IEEE, UPCAST, BLOCK_K)
+            # End of a segment: fold it into the total, start the next chain from zero.
+            if not ONE_SEGMENT and (((ki + 1) % seg_iters == 0) | (ki + 1 == k_iters)):
+                total = total + acc
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if ONE_SEGMENT:
+            total = total + acc
+
+    if SPLIT:
+        # Partial sums laid out [segment, tile, BM, BN]; rows past M are never touched.
+        n_seg = tl.num_programs(1)
+        n_tiles = tl.num_programs(0)
+        in_tile = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile_elems = BLOCK_M * BLOCK_N
+        part_tile = part_ptr + pid.to(tl.int64) * tile_elems + in_tile
+        seg_stride = n_tiles.to(tl.int64) * tile_elems
+        tl.store(part_tile + tl.program_id(1) * seg_stride, total, mask=mask_m[:, None])
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if done == n_seg - 1:
+            # Last program of this tile: add the segments in segment order.
+            out = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(0, n_seg):
+                out = out + tl.load(part_tile + s * seg_stride, mask=mask_m[:, None],
+                                    other=0.0, cache_modifier=".cg")
+            tl.store(cnt_ptr + pid, 0)
+            if HAS_BIAS:
+                out = out + tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty),
+                     mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        if HAS_BIAS:
+            total = total + tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["M", "seg_iters"])
+def _linear_tma_kernel(
+    x_desc, w_desc, b_ptr, y_ptr,
+    M, N, K, stride_ym, seg_iters,
+    ONE_SEGMENT: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """The fused path with tiles fetched by the Hopper tensor-memory accelerator (TMA).
+
+    Same MMA chain and segment sums as ``_linear_kernel``'s fused path, so the same bits;
+    only the loads differ (bulk tensor copies, out-of-bounds rows/columns read as zero).
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_iters = tl.cdiv(K, BLOCK_K)
+    for ki in range(0, k_iters):
+        a = x_desc.load([pid_m * BLOCK_M, ki * BLOCK_K])                      # [BM, BK]
+        b = w_desc.load([pid_n * BLOCK_N, ki * BLOCK_K])                      # [BN, BK]
+        acc = _mma(a, b.T, acc, False, UPCAST)
+        if not ONE_SEGMENT and (((ki + 1) % seg_iters == 0) | (ki + 1 == k_iters)):
+            total = total + acc
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if ONE_SEGMENT:
+        total = total + acc
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    if HAS_BIAS:
+        total = total + tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty),
+             mask=(offs_m < M)[:, None] & mask_n[None, :])
+
+
+def _tma_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Bulk tensor copies need 16-bit types, a contiguous last dim, 16-byte aligned rows."""
+    return (
+        x.dtype != torch.float32
+        and x.stride(1) == 1 and weight.stride(1) == 1
+        and (x.stride(0) * x.element_size()) % 16 == 0
+        and (weight.stride(0) * weight.element_size()) % 16 == 0
+        and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+    )
+
+
+def _can_split(k: int, seg: int) -> bool:
+    """Split only where segments tile K exactly: one constant trip count per program."""
+    return k % seg == 0 and k // seg > 1
+
+
+def _linear_path(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[_Tile, bool]:
+    """(tile, split) for an [m, k] x [n, k]^T product. May depend on m: bits do not."""
+    few, many = _tiles(dtype)
+    seg = linear_k_segment(n, k, dtype)
+    tile = few if (m <= _FEW_ROWS or few is many) else many
+    split = (
+        tile is few
+        and _can_split(k, seg)
+        and triton.cdiv(m, few.block_m) * triton.cdiv(n, few.block_n) < _SPLIT_TARGET_PROGRAMS
+        and 4 * m * (k // seg) <= k  # partial sums stay well under the weight's bytes
+    )
+    return tile, split
+
+
+def _launch_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tile: _Tile,
+    split: bool,
+    k_segment: int | None = None,
+    tma: bool | None = None,
+) -> torch.Tensor:
+    """Run one path. ``k_segment`` overrides the NUMERICS policy (benchmarks only);
+    ``tma`` forces the fused path's loads (None: TMA where the tensors allow it)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    seg = k_segment if k_segment is not None else linear_k_segment(n, k, x.dtype)
+    assert seg % tile.block_k == 0, "K segment must be a multiple of BLOCK_K"
+    seg_iters = seg // tile.block_k
+    n_seg = triton.cdiv(k, seg)
+    n_tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
+    split = split and _can_split(k, seg)
+    interp = _interpreting()
+    if tma is None:
+        tma = tile.block_m >= 128 and _tma_ok(x, weight)  # the many-rows tile only
+    if not split and tma:
+        _linear_tma_kernel[(n_tiles,)](
+            TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k]),
+            TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]),
+            bias if bias is not None else y, y,
+            m, n, k, y.stride(0), seg_iters,
+            ONE_SEGMENT=n_seg == 1, HAS_BIAS=bias is not None,
+            UPCAST=(interp and x.dtype == torch.bfloat16),
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+            GROUP_M=tile.group_m,
+            num_warps=tile.num_warps, num_stages=tile.num_stages,
+        )
+        return y
+    if split:
+        part = torch.empty(n_seg * n_tiles * tile.block_m * tile.block_n,
+                           dtype=torch.float32, device=x.device)
+        counters = _COUNTERS.get(x.device, n_tiles)
+        grid: tuple[int, ...] = (n_tiles, n_seg)
+    else:
+        part = y  # unused
+        counters = y
+        grid = (n_tiles,)
+    _linear_kernel[grid](
+        x, weight, bias if bias is not None else y, y, part, counters,
+        m, n, k,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
+        seg_iters,
+        SEG_ITERS=seg_iters if split else 0,
+        SPLIT=split,
+        ONE_SEGMENT=(not split and n_seg == 1),
+        HAS_BIAS=bias is not None,
+        EVEN_K=(k % tile.block_k == 0),
+        IEEE=(x.dtype == torch.float32),
+        UPCAST=(interp and x.dtype == torch.bfloat16),
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        GROUP_M=tile.group_m,
+        num_warps=tile.num_warps, num_stages=tile.num_stages,
+    )
+    return y
+
+
+def bi_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x[M, K] @ weight[N, K]^T (+ bias[N]) -> [M, N] in x's dtype, fp32 accumulation."""
+    assert x.ndim == 2 and weight.ndim == 2, "bi_linear: x[M,K], weight[N,K]"
+    assert x.shape[1] == weight.shape[1], f"bi_linear: K mismatch {x.shape} vs {weight.shape}"
+    assert x.dtype == weight.dtype, f"bi_linear: x {x.dtype} vs weight {weight.dtype}"
+    _check_dtype(x, "bi_linear")
+    if bias is not None:
+        assert bias.shape == (weight.shape[0],) and bias.stride(0) == 1, "bi_linear: bias[N]"
+    tile, split = _linear_path(x.shape[0], weight.shape[0], x.shape[1], x.dtype)
+    return _launch_linear(x, weight, bias, tile, split)
+
+
+# ----------------------------------------------------------------------------------------
+# RMSNorm and log-softmax: one program per row
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, eps,
+                     BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    mean_sq = tl.math.div_rn(tl.sum(x * x, axis=0), D.to(tl.float32))
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
+    # As Hugging Face / gpt-fast Llama: normalise in fp32, cast, then scale by the weight.
+    normed = (x * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: (x * rsqrt(mean(x^2) + eps)) in fp32, cast, times weight."""
+    assert x.ndim == 2 and weight.shape == (x.shape[1],), "bi_rms_norm: x[M,D], weight[D]"
+    _check_dtype(x, "bi_rms_norm")
+    m, d = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    y = torch.empty((m, d), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    block_d = triton.next_power_of_2(d)
+    assert block_d <= 65536, "bi_rms_norm: D too large for one block"
+    num_warps = min(16, max(4, block_d // 512))
+    _rms_norm_kernel[(m,)](x, weight, y, x.stride(0), y.stride(0), d, eps,
+                           BLOCK_D=block_d, num_warps=num_warps)
+    return y
+
+
+@triton.jit
+def _log_softmax_kernel(x_ptr, y_ptr, stride_x, stride_y, V, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    offs = tl.arange(0, BLOCK)
+    run_max = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK):
+        x = tl.load(x_row + v0 + offs, mask=v0 + offs < V, other=float("-inf")).to(tl.float32)
+        run_max = tl.maximum(run_max, x)
+    row_max = tl.max(run_max, axis=0)
+    run_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK):
+        x = tl.load(x_row + v0 + offs, mask=v0 + offs < V, other=float("-inf")).to(tl.float32)
+        run_sum += tl.exp(x - row_max)
+    log_sum = tl.log(tl.sum(run_sum, axis=0))
+    for v0 in range(0, V, BLOCK):
+        x = tl.load(x_row + v0 + offs, mask=v0 + offs < V, other=0.0).to(tl.float32)
+        tl.store(y_row + v0 + offs, (x - row_max) - log_sum, mask=v0 + offs < V)
+
+
+def bi_log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """log_softmax over the last dim of x[M, V], computed and returned in fp32."""
+    assert x.ndim == 2, "bi_log_softmax: x[M,V]"
+    _check_dtype(x, "bi_log_softmax")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m, v = x.shape
+    y = torch.empty((m, v), dtype=torch.float32, device=x.device)
+    if m == 0 or v == 0:
+        return y
+    block = min(4096, triton.next_power_of_2(v))  # NUMERICS: a function of V only
+    _log_softmax_kernel[(m,)](x, y, x.stride(0), y.stride(0), v, BLOCK=block, num_warps=8)
+    return y
+
+
+# ----------------------------------------------------------------------------------------
+# Decode attention: split-KV with a fixed split size, combined in split order
+# ----------------------------------------------------------------------------------------
+
+KV_SPLIT = 256          # NUMERICS: tokens per KV split
+_DECODE_BLOCK_N = 64    # NUMERICS: keys per inner step
+
+
+@triton.jit(do_not_specialize=["n_kv_heads", "max_splits"])
+def _decode_attention_kernel(
+    q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, part_o_ptr, part_ml_ptr, cnt_ptr,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh,
+    n_kv_heads, max_splits, scale_log2,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    seq_len = tl.load(lens_ptr + b)
+    start = split * SPLIT
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_g = offs_g < GROUP
+    mask_d = offs_d < HEAD_DIM
+    heads = kvh * GROUP + offs_g                                         # [G_PAD]
+    out_ptrs = o_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    out_mask = mask_g[:, None] & mask_d[None, :]
+
+    if start < seq_len:
+        n_needed = tl.cdiv(seq_len, SPLIT)
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=out_mask, other=0.0)                             # [G_PAD, D]
+        k_base = k_ptr + b * stride_kb + kvh * stride_kh
+        v_base = v_ptr + b * stride_vb + kvh * stride_vh
+        m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+        end = tl.minimum(start + SPLIT, seq_len)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            kv_mask = mask_n[:, None] & mask_d[None, :]
+            k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_ks + offs_d[None, :],
+                        mask=kv_mask, other=0.0)                          # [BN, D]
+            qk = _mma(q, tl.trans(k), tl.zeros([G_PAD, BLOCK_N], dtype=tl.float32),
+                      IEEE, UPCAST)                                       # [G_PAD, BN]
+            qk = tl.where(mask_n[None, :], qk * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs + offs_d[None, :],
+                        mask=kv_mask, other=0.0)                          # [BN, D]
+            acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE, UPCAST)
+            m_i = m_new
+
+        # Partials: o [B, Hq, max_splits, D], (m, l) [B, Hq, max_splits, 2], fp32.
+        row_part = (b * n_kv_heads * GROUP + heads) * max_splits            # [G_PAD]
+        tl.store(part_o_ptr + (row_part + split)[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=out_mask)
+        tl.store(part_ml_ptr + (row_part + split) * 2, m_i, mask=mask_g)
+        tl.store(part_ml_ptr + (row_part + split) * 2 + 1, l_i, mask=mask_g)
+        tl.debug_barrier()
+        cnt = cnt_ptr + b * n_kv_heads + kvh
+        done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if done == n_needed - 1:
+            # Last split of this (row, kv head): combine splits 0..n_needed-1 in order.
+            m_all = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+            for s in range(0, n_needed):
+                m_s = tl.load(part_ml_ptr + (row_part + s) * 2, mask=mask_g, other=0.0,
+                              cache_modifier=".cg")
+                m_all = tl.maximum(m_all, m_s)
+            l_all = tl.zeros([G_PAD], dtype=tl.float32)
+            o_all = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+            for s in range(0, n_needed):
+                m_s = tl.load(part_ml_ptr + (row_part + s) * 2, mask=mask_g, other=0.0,
+                              cache_modifier=".cg")
+                l_s = tl.load(part_ml_ptr + (row_part + s) * 2 + 1, mask=mask_g, other=0.0,
+                              cache_modifier=".cg")
+                o_s = tl.load(part_o_ptr + (row_part + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                              mask=out_mask, other=0.0, cache_modifier=".cg")
+                w = tl.exp2(m_s - m_all)
+                l_all = l_all + l_s * w
+                o_all = o_all + o_s * w[:, None]
+            tl.store(cnt, 0)
+            l_all = tl.where(mask_g, l_all, 1.0)  # padded heads: avoid 0/0
+            tl.store(out_ptrs, (o_all / l_all[:, None]).to(o_ptr.dtype.element_ty),
+                     mask=out_mask)
+    elif split == 0:
+        # Empty row (seq_len == 0): defined output instead of garbage.
+        tl.store(out_ptrs, tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+                 .to(o_ptr.dtype.element_ty), mask=out_mask)
+
+
+def bi_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode step of attention per row: q[B,Hq,D] over the first seq_lens[b] cache slots.
+
+    k_cache/v_cache[B, Hkv, S, D] may be strided views (last dim contiguous). GQA: Hq is a
+    multiple of Hkv. Returns [B, Hq, D] in q's dtype.
+    """
+    assert q.ndim == 3 and k_cache.ndim == 4 and v_cache.shape == k_cache.shape, \
+        "bi_decode_attention: q[B,Hq,D], k/v_cache[B,Hkv,S,D]"
+    bsz, n_q_heads, head_dim = q.shape
+    _, n_kv_heads, max_seq, _ = k_cache.shape
+    assert k_cache.shape[0] == bsz and k_cache.shape[3] == head_dim, "cache shape mismatch"
+    assert n_q_heads % n_kv_heads == 0, "Hq must be a multiple of Hkv"
+    assert seq_lens.shape == (bsz,) and seq_lens.dtype == torch.int32, "seq_lens[B] int32"
+    assert q.dtype == k_cache.dtype == v_cache.dtype, "q/k/v dtypes differ"
+    _check_dtype(q, "bi_decode_attention")
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1, "cache last dim must be contiguous"
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if bsz == 0:
+        return out
+    group = n_q_heads // n_kv_heads
+    max_splits = triton.cdiv(max_seq, KV_SPLIT)
+    part_o = torch.empty((bsz * n_q_heads * max_splits * head_dim,), dtype=torch.float32,
+                         device=q.device)
+    part_ml = torch.empty((bsz * n_q_heads * max_splits * 2,), dtype=torch.float32,
+                          device=q.device)
+    counters = _COUNTERS.get(q.device, bsz * n_kv_heads)
+    interp = _interpreting()
+    fp32 = q.dtype == torch.float32
+    grid = (max_splits, n_kv_heads, bsz)
+    _decode_attention_kernel[grid](
+        q, k_cache, v_cache, seq_lens, out, part_o, part_ml, counters,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        n_kv_heads, max_splits, scale * 1.4426950408889634,
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        SPLIT=KV_SPLIT, BLOCK_N=_DECODE_BLOCK_N, IEEE=fp32,
+        UPCAST=(interp and q.dtype == torch.bfloat16),
+        num_warps=4, num_stages=2 if fp32 else 3,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Prefill attention: causal flash attention over packed variable-length sequences
+# ----------------------------------------------------------------------------------------
+
+# NUMERICS: (block_m, block_n, num_warps, num_stages) per operand width.
+_PREFILL_16 = (128, 64, 8, 3)
+_PREFILL_32 = (32, 64, 8, 2)
+
+
+@triton.jit
+def _prefill_step(acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, n0, offs_m, seq_len,
+                  offs_d, mask_d, scale_log2,
+                  MASKED: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                  UPCAST: tl.constexpr):
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < seq_len
+    kv_mask = mask_n[:, None] & mask_d[None, :]
+    k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :],
+                mask=kv_mask, other=0.0)                                      # [BN, D]
+    qk = _mma(q, tl.trans(k), tl.zeros([q.shape[0], BLOCK_N], dtype=tl.float32), IEEE, UPCAST)
+    qk = qk * scale_log2
+    if MASKED:
+        causal = (offs_n[None, :] <= offs_m[:, None]) & mask_n[None, :]
+        qk = tl.where(causal, qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vt + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE, UPCAST)
+    return acc, l_i, m_new
+
+
+@triton.jit(do_not_specialize=["n_seqs"])
+def _prefill_attention_kernel(
+    q_ptr, k_ptr, v_ptr, cu_ptr, o_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    n_seqs, scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, B_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    head = tl.program_id(0)
+    pid = tl.program_id(1)
+    # Which (sequence, query block) this program owns; blocks are aligned to sequence starts.
+    offs_b = tl.arange(0, B_PAD)
+    starts = tl.load(cu_ptr + offs_b, mask=offs_b < n_seqs, other=0)
+    ends = tl.load(cu_ptr + offs_b + 1, mask=offs_b < n_seqs, other=0)
+    n_blocks = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    incl = tl.cumsum(n_blocks, axis=0)
+    excl = incl - n_blocks
+    hit = (pid >= excl) & (pid < incl)
+    if tl.sum(hit.to(tl.int32), axis=0) > 0:
+        seq_start = tl.sum(tl.where(hit, starts, 0), axis=0).to(tl.int64)
+        seq_len = tl.sum(tl.where(hit, ends - starts, 0), axis=0)
+        local = pid - tl.sum(tl.where(hit, excl, 0), axis=0)
+        blk = tl.sum(tl.where(hit, n_blocks, 0), axis=0) - 1 - local   # longest blocks first
+        kvh = head // GROUP
+
+        offs_m = blk * BLOCK_M + tl.arange(0, BLOCK_M)                  # positions in the seq
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_m = offs_m < seq_len
+        mask_d = offs_d < HEAD_DIM
+        rows = seq_start + offs_m.to(tl.int64)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=mask_m[:, None] & mask_d[None, :], other=0.0)   # [BM, D]
+        k_base = k_ptr + seq_start * stride_kt + kvh * stride_kh
+        v_base = v_ptr + seq_start * stride_vt + kvh * stride_vh
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        # Key blocks entirely before this query block: no mask needed.
+        lo = (blk * BLOCK_M) // BLOCK_N * BLOCK_N
+        for n0 in range(0, lo, BLOCK_N):
+            acc, l_i, m_i = _prefill_step(acc, l_i, m_i, q, k_base, v_base, stride_kt,
+                                          stride_vt, n0, offs_m, seq_len, offs_d, mask_d,
+                                          scale_log2, False, BLOCK_N, IEEE, UPCAST)
+        # The diagonal: causal and length masks.
+        hi = tl.minimum((blk + 1) * BLOCK_M, seq_len)
+        for n0 in range(lo, hi, BLOCK_N):
+            acc, l_i, m_i = _prefill_step(acc, l_i, m_i, q, k_base, v_base, stride_kt,
+                                          stride_vt, n0, offs_m, seq_len, offs_d, mask_d,
+                                          scale_log2, True, BLOCK_N, IEEE, UPCAST)
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+def bi_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention over packed sequences: q[T,Hq,D], k/v[T,Hkv,D] -> [T,Hq,D].
+
+    cu_seqlens[B+1] (int32, cu_seqlens[0] == 0, cu_seqlens[B] == T) delimits the sequences;
+    each attends only to itself.
+    """
+    assert q.ndim == 3 and k.ndim == 3 and v.shape == k.shape, \
+        "bi_prefill_attention: q[T,Hq,D], k/v[T,Hkv,D]"
+    n_tokens, n_q_heads, head_dim = q.shape
+    assert k.shape[0] == n_tokens and k.shape[2] == head_dim, "q/k shape mismatch"
+    assert n_q_heads % k.shape[1] == 0, "Hq must be a multiple of Hkv"
+    assert cu_seqlens.ndim == 1 and cu_seqlens.dtype == torch.int32, "cu_seqlens[B+1] int32"
+    assert q.dtype == k.dtype == v.dtype, "q/k/v dtypes differ"
+    _check_dtype(q, "bi_prefill_attention")
+    q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty((n_tokens, n_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    n_seqs = cu_seqlens.numel() - 1
+    if n_tokens == 0 or n_seqs <= 0:
+        return out
+    fp32 = q.dtype == torch.float32
+    block_m, block_n, num_warps, num_stages = _PREFILL_32 if fp32 else _PREFILL_16
+    grid = (n_q_heads, triton.cdiv(n_tokens, block_m) + n_seqs)
+    _prefill_attention_kernel[grid](
+        q, k, v, cu_seqlens, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        n_seqs, scale * 1.4426950408889634,
+        GROUP=n_q_heads // k.shape[1], HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        B_PAD=max(128, triton.next_power_of_2(n_seqs + 1)),
+        BLOCK_M=block_m, BLOCK_N=block_n, IEEE=fp32,
+        UPCAST=(_interpreting() and q.dtype == torch.bfloat16),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
