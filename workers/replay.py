@@ -44,6 +44,7 @@ from ledger.db.models import Envelope, ReplayJob, ReplayJobItem, SigningKey, Wor
 from ledger.db.session import session_scope
 from ledger.log import proofs
 from ledger.log.signer import log_verifiers
+from ledger.replay import disputes
 from ledger.replay import jobs as job_service
 from ledger.replay.records import Signer
 from ledger.replay.verdicts import store_verdict
@@ -217,6 +218,12 @@ class ReplayWorker:
             if claim.action == "poison" and job is not None:
                 self._conclude(session, job, [], outcome_all=("error", claim.reason),
                                state="poisoned")
+            if claim.action == "run" and job is not None:
+                for d in job_service.job_disputes(session, job.id):
+                    if d.state not in ("verdict", "resolved"):
+                        disputes.emit(session, d, "replaying", self.worker_id, self.signer,
+                                      {"job_id": job_id, "attempt": claim.attempt},
+                                      state="replaying")
         if claim.action != "run":
             log.info("job %s: %s (%s)", job_id, claim.action, claim.reason)
             return claim.action

@@ -99,9 +99,26 @@ def bundle_lines(engine: Engine, selection: Selection) -> Iterator[bytes]:
                 where.append("request_id = ANY(%s)")
                 params.append(list(selection.request_ids))
             limit = f" LIMIT {int(selection.limit)}" if selection.limit else ""
-            cur.execute(f"SELECT count(*) FROM (SELECT 1 FROM envelopes WHERE "  # noqa: S608
-                        f"{' AND '.join(where)}{limit}) s", params)
-            count = int(cur.fetchone()[0])
+            sel = (f"SELECT log_index FROM envelopes WHERE {' AND '.join(where)} "  # noqa: S608
+                   f"ORDER BY log_index{limit}")
+            # The selected envelopes, then the verdicts on them and the events of disputes
+            # on them: the whole review trail travels with the records it reviews.
+            parts = [
+                ("envelope", f"SELECT v.log_index, v.request_id, v.dsse FROM envelopes v "
+                             f"JOIN ({sel}) s USING (log_index)"),
+                ("verdict", f"SELECT r.log_index, r.verdict_id, r.dsse FROM verdicts r "
+                            f"JOIN ({sel}) s ON s.log_index = r.envelope_index "
+                            f"WHERE r.log_index < %s"),
+                ("dispute_event", f"SELECT e.log_index, e.event_id, e.dsse FROM dispute_events e "
+                                  f"JOIN disputes d ON d.id = e.dispute_id "
+                                  f"JOIN ({sel}) s ON s.log_index = d.envelope_index "
+                                  f"WHERE e.log_index < %s"),
+            ]
+            count = 0
+            for kind, query in parts:
+                extra = [] if kind == "envelope" else [cp.tree_size]
+                cur.execute(f"SELECT count(*) FROM ({query}) c", [*params, *extra])  # noqa: S608
+                count += int(cur.fetchone()[0])
             header = {
                 "format": FORMAT, "origin": origin, "checkpoint": cp.note.decode(),
                 "log_keys": [format_verifier_key(v.name, v.public_key)
@@ -111,15 +128,17 @@ def bundle_lines(engine: Engine, selection: Selection) -> Iterator[bytes]:
             }
             yield json.dumps(header, separators=(",", ":")).encode() + b"\n"
             reader = CachingTileReader(PgTileReader(conn.cursor()))
-            with conn.cursor(name="export_envelopes") as rows:
-                rows.itersize = 2000
-                rows.execute(f"SELECT log_index, request_id, dsse FROM envelopes WHERE "  # noqa: S608
-                             f"{' AND '.join(where)} ORDER BY log_index{limit}", params)
-                for log_index, request_id, dsse_bytes in rows:
-                    proof = inclusion_proof_from_tiles(log_index, cp.tree_size, reader)
-                    yield (b'{"log_index":%d,"kind":"envelope","ref":%s,"dsse":%s,'
-                           b'"inclusion_proof":%s}\n' % (
-                               log_index, json.dumps(request_id).encode(), bytes(dsse_bytes),
-                               json.dumps([_b64(h) for h in proof]).encode()))
+            for n, (kind, query) in enumerate(parts):
+                extra = [] if kind == "envelope" else [cp.tree_size]
+                with conn.cursor(name=f"export_{n}") as rows:
+                    rows.itersize = 2000
+                    rows.execute(f"{query} ORDER BY 1", [*params, *extra])  # noqa: S608
+                    for log_index, ref, dsse_bytes in rows:
+                        proof = inclusion_proof_from_tiles(log_index, cp.tree_size, reader)
+                        yield (b'{"log_index":%d,"kind":"%s","ref":%s,"dsse":%s,'
+                               b'"inclusion_proof":%s}\n' % (
+                                   log_index, kind.encode(), json.dumps(ref).encode(),
+                                   bytes(dsse_bytes),
+                                   json.dumps([_b64(h) for h in proof]).encode()))
                     if len(reader.cache) > 100_000:
                         reader.cache.clear()

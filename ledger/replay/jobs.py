@@ -173,18 +173,19 @@ def claim(session: Session, job_id: str, *, worker_id: str, fingerprint_id: str,
     job = session.get(ReplayJob, jid, with_for_update=True)
     if job is None:
         return None, Claim("skip", "no such job")
-    if job.state in ("done", "poisoned", "failed"):
-        return job, Claim("skip", f"job already {job.state} (duplicate delivery)")
     if job.fingerprint_id != fingerprint_id:
         session.add(JobAttempt(job_id=job.id, attempt=job.attempts, worker_id=worker_id,
                                fingerprint_id=fingerprint_id, finished_at=datetime.now(UTC),
                                outcome="refused",
                                detail=f"job is for {job.fingerprint_id}, worker is "
                                       f"{fingerprint_id}: not replayed"))
-        job.published_at = None  # let the sweeper re-publish it to its own queue
+        if job.state in ("queued", "awaiting_worker"):
+            job.published_at = None  # let the sweeper re-publish it to its own queue
         session.flush()
         return job, Claim("refuse", f"fingerprint mismatch: job {job.fingerprint_id}, "
                                     f"worker {fingerprint_id}")
+    if job.state in ("done", "poisoned", "failed"):
+        return job, Claim("skip", f"job already {job.state} (duplicate delivery)")
     if job.state == "running" and job.worker_id and job.worker_id != worker_id:
         cutoff = datetime.now(UTC) - timedelta(seconds=settings.worker_dead_after_s)
         other = session.get(Worker, job.worker_id)

@@ -116,7 +116,7 @@ def test_honest_reproduces_bitwise_and_tampered_diverges_at_k(
             Verdict.job_id == uuid.UUID(forged_job))).all()) == 1
         kinds = [e.kind for e in s.scalars(select(DisputeEvent).where(
             DisputeEvent.dispute_id == uuid.UUID(forged_dispute)).order_by(DisputeEvent.seq))]
-        assert kinds == ["opened", "queued", "verdict"]
+        assert kinds == ["opened", "queued", "replaying", "verdict"]
         job = s.get(ReplayJob, uuid.UUID(forged_job))
         assert job.state == "done" and job.attempts == 1
 
