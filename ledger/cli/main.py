@@ -12,6 +12,7 @@ import typer
 from ledger.cli import admin as admin_cli
 from ledger.cli import engine as engine_cli
 from ledger.cli import log as log_cli
+from ledger.cli import replay as replay_cli
 
 app = typer.Typer(
     name="ledger",
@@ -23,6 +24,7 @@ app = typer.Typer(
 admin_cli.register(app)
 engine_cli.register(app)
 log_cli.register(app)
+replay_cli.register(app)
 
 
 def main() -> None:  # pragma: no cover - console script shim
