@@ -270,6 +270,23 @@ def validate_statement(obj: Any, limits: Limits | None = None) -> EnvelopeStatem
         ) from None
 
 
+_FP_CACHE: dict[str, str] = {}
+
+
+def _fingerprint_of(runtime: Runtime) -> str:
+    """fingerprint_id of a runtime; a gateway sends the same runtime millions of times, so
+    results are memoised by the runtime's JSON (bounded)."""
+    dumped = runtime.model_dump(mode="json")
+    key = repr(sorted(dumped.items()))
+    found = _FP_CACHE.get(key)
+    if found is None:
+        found = fingerprint_id(dumped)
+        if len(_FP_CACHE) > 10_000:
+            _FP_CACHE.clear()
+        _FP_CACHE[key] = found
+    return found
+
+
 def index_fields(statement: EnvelopeStatement) -> IndexFields:
     p = statement.predicate
     return IndexFields(
@@ -279,7 +296,7 @@ def index_fields(statement: EnvelopeStatement) -> IndexFields:
         tier=p.tier,
         model_sha256=p.artifacts.model_sha256,
         model_name=p.artifacts.model_name,
-        fingerprint_id=fingerprint_id(p.runtime.model_dump(mode="json")),
+        fingerprint_id=_fingerprint_of(p.runtime),
         prompt_tokens=len(p.prompt_token_ids),
         output_tokens=len(p.output.token_ids),
     )

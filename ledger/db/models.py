@@ -25,6 +25,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
     func,
+    text,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -98,8 +99,6 @@ class Envelope(Base):
         Index("ix_envelopes_fingerprint_id_log_index", "fingerprint_id", "log_index"),
         Index("ix_envelopes_channel_log_index", "channel", "log_index"),
         Index("ix_envelopes_recorded_at", "recorded_at"),
-        Index("ix_envelopes_prompt_tokens", "prompt_tokens"),
-        Index("ix_envelopes_output_tokens", "output_tokens"),
     )
 
 
@@ -391,4 +390,7 @@ class ReverificationRun(Base):
     __table_args__ = (
         UniqueConstraint("policy_id", "window_start"),
         CheckConstraint("kind IN ('policy', 'gate')", name="kind"),
+        Index("uq_reverification_runs_gate", text("(details ->> 'new_fingerprint')"),
+              text("(details ->> 'model_sha256')"), unique=True,
+              postgresql_where=text("kind = 'gate'")),
     )
