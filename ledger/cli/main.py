@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from ledger.cli import admin as admin_cli
+from ledger.cli import demo as demo_cli
 from ledger.cli import engine as engine_cli
 from ledger.cli import log as log_cli
 from ledger.cli import replay as replay_cli
@@ -21,6 +22,7 @@ app = typer.Typer(
     pretty_exceptions_show_locals=False,
 )
 
+demo_cli.register(app)
 admin_cli.register(app)
 engine_cli.register(app)
 log_cli.register(app)

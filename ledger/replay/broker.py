@@ -5,6 +5,8 @@ the database (the outbox) is the source of truth and a Redis restart loses nothi
 
 from __future__ import annotations
 
+import logging
+import queue
 import threading
 from collections.abc import Callable
 from functools import lru_cache
@@ -55,20 +57,43 @@ class CeleryPublisher:
 
 
 class InProcessPublisher:
-    """Hands jobs to a callback on a background thread (the demo's in-process worker)."""
+    """Hands jobs to one in-process worker thread, in publish order (``ledger demo``).
 
-    def __init__(self, run: Callable[[str], None], fingerprints: set[str]) -> None:
+    Like a queue that only this worker's fingerprint consumes: jobs for other fingerprints
+    are not taken, and their disputes wait for a worker, as they would with Redis."""
+
+    def __init__(self, run: Callable[[str], object], fingerprints: set[str]) -> None:
         self.run = run
         self.fingerprints = fingerprints
-        self.threads: list[threading.Thread] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._thread = threading.Thread(target=self._consume, name="ledger-inprocess-worker",
+                                        daemon=True)
+        self._thread.start()
 
     def publish(self, job_id: str, fingerprint_id: str) -> None:
         if fingerprint_id not in self.fingerprints:
-            return  # nobody consumes that queue here; the job waits, as with Redis
-        t = threading.Thread(target=self.run, args=(job_id,), daemon=True)
-        t.start()
-        self.threads.append(t)
+            raise RuntimeError(f"no in-process consumer for replay.{fingerprint_id}")
+        with self._lock:
+            self._pending += 1
+        self._queue.put(job_id)
 
-    def join(self, timeout: float = 60) -> None:
-        for t in self.threads:
-            t.join(timeout)
+    def _consume(self) -> None:
+        while (job_id := self._queue.get()) is not None:
+            try:
+                self.run(job_id)
+            except Exception:  # noqa: BLE001 - a failed job is retried by the sweeper
+                logging.getLogger("ledger.worker").exception("in-process job %s", job_id)
+            with self._lock:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def wait_idle(self, timeout: float = 120) -> bool:
+        with self._lock:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(10)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from datetime import datetime
 from typing import Annotated, Any, Literal
@@ -38,6 +39,7 @@ from ledger.services.apikeys import Principal
 from ledger.settings import Settings
 
 router = APIRouter(prefix="/v1", tags=["envelopes"], responses=COMMON_RESPONSES)
+log = logging.getLogger("ledger.api")
 
 def _result_dict(r: ingest_service.ItemResult) -> dict[str, Any]:
     out: dict[str, Any] = {
@@ -129,8 +131,12 @@ async def _receipts(request: Request, session: Session, indices: list[int],
     needed = max(indices)
     while True:
         if integrator is not None:
-            await run_in_threadpool(integrate_once, request.app.state.engine, integrator.signer,
-                                    max_entries=integrator.max_entries, sink=integrator.sink)
+            try:
+                await run_in_threadpool(integrate_once, request.app.state.engine,
+                                        integrator.signer, max_entries=integrator.max_entries,
+                                        sink=integrator.sink)
+            except Exception as exc:  # noqa: BLE001 - the entries are stored; say so, no 500
+                log.error("integration for a receipt failed: %s", exc)
         try:
             first = await run_in_threadpool(proofs.inclusion, session, needed)
             size = first.tree_size

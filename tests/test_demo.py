@@ -1,0 +1,31 @@
+"""`ledger demo` (the main job) on its embedded PostgreSQL: exit 0 with the three expected
+outcomes, twice in a row on the same data folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.helpers import REPO
+
+
+def test_demo_runs_twice_with_the_expected_outcomes(tmp_path: Path) -> None:
+    data = tmp_path / "demo"
+    for run in (1, 2):
+        started = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, "-m", "ledger.cli.main", "demo", "--data-dir", str(data),
+             "--port", "0"], cwd=REPO, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "COLUMNS": "160"})
+        elapsed = time.monotonic() - started
+        assert proc.returncode == 0, f"run {run}:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+        out = proc.stdout
+        assert "reproduced" in out and "bitwise" in out
+        assert "diverged" in out and "awaiting_worker" in out
+        assert "audit OK" in out and "offline verify OK" in out
+        assert elapsed < 120, f"run {run} took {elapsed:.0f} s"
+    assert (data / "bundle.jsonl").stat().st_size > 0
+    assert list((data / "checkpoints").glob("checkpoint.*"))
