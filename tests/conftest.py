@@ -16,7 +16,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Engine
 
-from ledger.core.keys import public_raw
+from ledger.core.keys import generate_private_key, private_pem, public_raw
 from ledger.db.session import make_engine, session_scope, upgrade
 from ledger.services.apikeys import ROLES, create_api_key
 from ledger.services.keys import register_key
@@ -97,7 +97,13 @@ def provision(db_url: str) -> tuple[dict[str, str], Ed25519PrivateKey]:
 def api(module_db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
     """A real `ledger serve` process on a module database, with keys for every role."""
     keys, producer = provision(module_db_url)
-    with run_server(module_db_url, log_dir=tmp_path_factory.mktemp("logs")) as server:
+    logs = tmp_path_factory.mktemp("logs")
+    env = {"LEDGER_BROKER_URL": "redis://127.0.0.1:6379/15"}
+    for name in ("log", "service"):
+        path = logs / f"{name}.pem"
+        path.write_bytes(private_pem(generate_private_key()))
+        env[f"LEDGER_{name.upper()}_KEY_FILE"] = str(path)
+    with run_server(module_db_url, log_dir=logs, extra_env=env) as server:
         server.keys = keys
         server.producer = producer  # type: ignore[attr-defined]
         server.db_url = module_db_url  # type: ignore[attr-defined]

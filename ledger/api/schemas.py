@@ -31,6 +31,7 @@ COMMON_RESPONSES: dict[int | str, dict[str, Any]] = {
         (401, "Missing or bad API key"),
         (403, "Role not allowed"),
         (404, "Not found"),
+        (409, "Conflicts with the stored state (the problem says how)"),
         (413, "Body or item too large"),
         (422, "Invalid content"),
         (503, "Database unavailable; retry after Retry-After seconds"),
