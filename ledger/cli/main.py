@@ -10,6 +10,7 @@ from __future__ import annotations
 import typer
 
 from ledger.cli import admin as admin_cli
+from ledger.cli import capture as capture_cli
 from ledger.cli import demo as demo_cli
 from ledger.cli import engine as engine_cli
 from ledger.cli import log as log_cli
@@ -25,6 +26,7 @@ app = typer.Typer(
 demo_cli.register(app)
 admin_cli.register(app)
 engine_cli.register(app)
+capture_cli.register(app)
 log_cli.register(app)
 replay_cli.register(app)
 

@@ -1,0 +1,247 @@
+"""The capture SDK: httpx transports that record what the official ``openai`` client does.
+
+Wrapping at the HTTP layer keeps the ``openai`` client's own request building, retries,
+streaming and response parsing untouched: the transport rewrites the request body
+(:func:`ledger.capture.exchange.prepare`), and hands the client the upstream's bytes with
+the fields it asked for set back to ``null`` — so ``client.completions.create(...)``
+returns what it would return without capture. Envelopes go to the recorder's queue as the
+response (or the stream's last chunk) is read.
+
+    recorder = Recorder.from_files(key=..., artifacts=..., fingerprint=...,
+                                   spool_dir=..., ledger_url=..., api_key=...)
+    client = wrap_openai(openai.OpenAI(base_url="http://vllm:8000/v1", api_key="-"),
+                         recorder)
+    client.chat.completions.create(model=..., messages=[...])   # recorded
+
+Only successful (200) ``POST .../completions`` and ``.../chat/completions`` calls are
+recorded; everything else passes through unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+
+from ledger.capture.exchange import (
+    Captured,
+    Plan,
+    SamplingDefaults,
+    StreamEditor,
+    edit_response,
+    prepare,
+)
+from ledger.capture.recorder import Recorder
+
+_DROP_REQUEST_HEADERS = ("content-length", "transfer-encoding")
+
+
+class UnrecordableRequest(ValueError):
+    """A request no envelope can describe, refused before it is sent (``strict=True``)."""
+
+
+def capture_kind(method: str, path: str) -> str | None:
+    """"completion" or "chat" for the OpenAI endpoints that are recorded, else None."""
+    if method != "POST":
+        return None
+    if path.endswith("/chat/completions"):
+        return "chat"
+    if path.endswith("/completions"):
+        return "completion"
+    return None
+
+
+class _Capture:
+    """The transport-independent part: plan a request, then finish its response."""
+
+    def __init__(self, recorder: Recorder, defaults: SamplingDefaults | None,
+                 strict: bool) -> None:
+        self.recorder = recorder
+        self.defaults = defaults or recorder.config.sampling_defaults
+        self.strict = strict
+
+    def plan(self, request: httpx.Request, body: bytes) -> tuple[httpx.Request, Plan] | None:
+        kind = capture_kind(request.method, request.url.path)
+        if kind is None:
+            return None
+        new_body, plan = prepare(kind, body, self.defaults)
+        if not plan.recordable:
+            reason = plan.unrecordable or "unrecordable"
+            if self.strict:
+                raise UnrecordableRequest(reason)
+            self.recorder.note_unrecordable(reason)
+            return None
+        self.recorder.admit()
+        headers = [(k, v) for k, v in request.headers.multi_items()
+                   if k.lower() not in _DROP_REQUEST_HEADERS and k.lower() != "accept-encoding"]
+        headers.append(("accept-encoding", "identity"))
+        rebuilt = httpx.Request(request.method, request.url, headers=headers, content=new_body,
+                                extensions=request.extensions)
+        return rebuilt, plan
+
+    def record(self, captured: list[Captured]) -> None:
+        for c in captured:
+            self.recorder.record(c)
+
+    def finish_body(self, plan: Plan, response: httpx.Response, body: bytes) -> bytes:
+        if response.headers.get("content-encoding", "identity") != "identity":
+            self.recorder.note_not_captured("the upstream compressed its answer")
+            return body
+        edited, captured = edit_response(plan, body)
+        if not captured:
+            self.recorder.note_not_captured("no token IDs in the upstream's answer")
+        self.record(captured)
+        return edited
+
+    def finish_stream(self, editor: StreamEditor) -> None:
+        captured = editor.captured() if editor.done else []
+        if not captured:
+            self.recorder.note_not_captured(editor.broken or "the stream did not complete")
+        self.record(captured)
+
+
+def _response_headers(response: httpx.Response, length: int | None) -> list[tuple[str, str]]:
+    headers = [(k, v) for k, v in response.headers.multi_items()
+               if k.lower() not in ("content-length", "transfer-encoding")]
+    if length is not None:
+        headers.append(("content-length", str(length)))
+    return headers
+
+
+class _EditedStream(httpx.SyncByteStream):
+    def __init__(self, response: httpx.Response, editor: StreamEditor,
+                 capture: _Capture) -> None:
+        self._response, self._editor, self._capture = response, editor, capture
+        self._finished = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        for piece in self._response.stream:  # type: ignore[union-attr]
+            out = self._editor.feed(piece)
+            if out:
+                yield out
+        rest = self._editor.finish()
+        if rest:
+            yield rest
+        self._finished = True
+        self._capture.finish_stream(self._editor)
+
+    def close(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._capture.recorder.note_not_captured("the client closed the stream early")
+        self._response.close()
+
+
+class _AsyncEditedStream(httpx.AsyncByteStream):
+    def __init__(self, response: httpx.Response, editor: StreamEditor,
+                 capture: _Capture) -> None:
+        self._response, self._editor, self._capture = response, editor, capture
+        self._finished = False
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for piece in self._response.stream:  # type: ignore[union-attr]
+            out = self._editor.feed(piece)
+            if out:
+                yield out
+        rest = self._editor.finish()
+        if rest:
+            yield rest
+        self._finished = True
+        self._capture.finish_stream(self._editor)
+
+    async def aclose(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._capture.recorder.note_not_captured("the client closed the stream early")
+        await self._response.aclose()
+
+
+class RecordingTransport(httpx.BaseTransport):
+    """Sync transport for ``openai.OpenAI``: records completions and chat completions."""
+
+    def __init__(self, recorder: Recorder, inner: httpx.BaseTransport | None = None, *,
+                 defaults: SamplingDefaults | None = None, strict: bool = False) -> None:
+        self.inner = inner or httpx.HTTPTransport()
+        self.capture = _Capture(recorder, defaults, strict)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        planned = self.capture.plan(request, request.read())
+        if planned is None:
+            return self.inner.handle_request(request)
+        upstream_request, plan = planned
+        response = self.inner.handle_request(upstream_request)
+        if response.status_code != 200:
+            return response
+        if plan.stream and response.headers.get("content-encoding", "identity") == "identity":
+            editor = StreamEditor(plan)
+            return httpx.Response(response.status_code,
+                                  headers=_response_headers(response, None),
+                                  stream=_EditedStream(response, editor, self.capture),
+                                  extensions=response.extensions)
+        body = response.read()
+        response.close()
+        edited = self.capture.finish_body(plan, response, body)
+        return httpx.Response(response.status_code,
+                              headers=_response_headers(response, len(edited)),
+                              stream=httpx.ByteStream(edited), extensions=response.extensions)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class AsyncRecordingTransport(httpx.AsyncBaseTransport):
+    """Async transport for ``openai.AsyncOpenAI`` (and the recording proxy)."""
+
+    def __init__(self, recorder: Recorder, inner: httpx.AsyncBaseTransport | None = None, *,
+                 defaults: SamplingDefaults | None = None, strict: bool = False) -> None:
+        self.inner = inner or httpx.AsyncHTTPTransport()
+        self.capture = _Capture(recorder, defaults, strict)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        planned = self.capture.plan(request, await request.aread())
+        if planned is None:
+            return await self.inner.handle_async_request(request)
+        upstream_request, plan = planned
+        response = await self.inner.handle_async_request(upstream_request)
+        if response.status_code != 200:
+            return response
+        if plan.stream and response.headers.get("content-encoding", "identity") == "identity":
+            editor = StreamEditor(plan)
+            return httpx.Response(response.status_code,
+                                  headers=_response_headers(response, None),
+                                  stream=_AsyncEditedStream(response, editor, self.capture),
+                                  extensions=response.extensions)
+        body = await response.aread()
+        await response.aclose()
+        edited = self.capture.finish_body(plan, response, body)
+        return httpx.Response(response.status_code,
+                              headers=_response_headers(response, len(edited)),
+                              stream=httpx.ByteStream(edited), extensions=response.extensions)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def wrap_openai(client: Any, recorder: Recorder, *, strict: bool = False,
+                defaults: SamplingDefaults | None = None, **transport_kw: Any) -> Any:
+    """A copy of an ``openai.OpenAI`` / ``openai.AsyncOpenAI`` client whose completions and
+    chat completions are recorded by ``recorder``. ``strict=True`` raises
+    :class:`UnrecordableRequest` instead of sending a request no envelope can describe.
+    """
+    is_async = type(client).__name__.startswith("Async")
+    timeout = client.timeout
+    if hasattr(timeout, "as_dict"):      # an httpx2.Timeout (newer openai releases)
+        timeout = httpx.Timeout(**timeout.as_dict())
+    http_client: httpx.Client | httpx.AsyncClient
+    if is_async:
+        http_client = httpx.AsyncClient(
+            transport=AsyncRecordingTransport(recorder, defaults=defaults, strict=strict,
+                                              **transport_kw),
+            timeout=timeout)
+    else:
+        http_client = httpx.Client(
+            transport=RecordingTransport(recorder, defaults=defaults, strict=strict,
+                                         **transport_kw),
+            timeout=timeout)
+    return client.with_options(http_client=http_client)

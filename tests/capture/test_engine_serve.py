@@ -1,0 +1,143 @@
+"""``ledger engine serve``: vLLM's response shapes over real HTTP, streams that add up to
+the whole answer, batching that changes nothing, and the text/stop-string rules."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.capture.conftest import Process
+from workers.engine.api import GenerationResult, SamplingParams
+from workers.serve import openai_api as oa
+from workers.serve.tokenizer import ByteTokenizer
+
+MODEL = "tiny-demo"
+
+
+def post(server: Process, path: str, body: dict[str, Any], **headers: str) -> httpx.Response:
+    return httpx.post(server.base_url + path, json=body, headers=headers, timeout=60)
+
+
+def stream_docs(server: Process, path: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+    r = post(server, path, {**body, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = r.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    return [json.loads(e[len("data: "):]) for e in events[:-2]]
+
+
+def test_completion_returns_token_ids_like_vllm(engine_server: Process) -> None:
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "temperature": 0,
+            "logprobs": 2, "return_token_ids": True}
+    doc = post(engine_server, "/v1/completions", body, **{"X-Request-Id": "abc"}).json()
+    assert doc["id"] == "cmpl-abc" and doc["object"] == "text_completion"
+    (choice,) = doc["choices"]
+    assert choice["prompt_token_ids"] == [256, *b"Hello"]
+    assert len(choice["token_ids"]) == 5 and choice["finish_reason"] == "length"
+    assert choice["text"] == ByteTokenizer().decode(choice["token_ids"])
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == 5 and all(1 <= len(t) <= 3 for t in lp["top_logprobs"])
+    assert doc["usage"] == {"prompt_tokens": 6, "total_tokens": 11, "completion_tokens": 5,
+                            "prompt_tokens_details": None}
+    plain = post(engine_server, "/v1/completions", {**body, "return_token_ids": False,
+                                                     "logprobs": None}).json()
+    assert plain["choices"][0]["token_ids"] is None
+    assert plain["choices"][0]["prompt_token_ids"] is None
+    assert plain["choices"][0]["logprobs"] is None
+    assert plain["choices"][0]["text"] == choice["text"]
+
+
+def test_streams_add_up_to_the_whole_answer(engine_server: Process) -> None:
+    base = {"model": MODEL, "max_tokens": 9, "temperature": 0.8, "seed": 3,
+            "return_token_ids": True}
+    chat = {**base, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True,
+            "top_logprobs": 2}
+    whole = post(engine_server, "/v1/chat/completions", chat).json()
+    docs = stream_docs(engine_server, "/v1/chat/completions",
+                       {**chat, "stream_options": {"include_usage": True}})
+    assert docs[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert all("prompt_token_ids" not in d for d in docs[1:])
+    tokens = [t for d in docs[1:-1] for t in d["choices"][0]["token_ids"]]
+    text = "".join(d["choices"][0]["delta"].get("content", "") for d in docs[:-1])
+    content = [c for d in docs[1:-1] for c in d["choices"][0]["logprobs"]["content"]]
+    assert tokens == whole["choices"][0]["token_ids"]
+    assert text == whole["choices"][0]["message"]["content"]
+    assert content == whole["choices"][0]["logprobs"]["content"]
+    assert docs[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert docs[-1]["choices"] == [] and docs[-1]["usage"]["completion_tokens"] == 9
+
+    completion = {**base, "prompt": "Hi", "logprobs": 1}
+    whole = post(engine_server, "/v1/completions", completion).json()["choices"][0]
+    docs = stream_docs(engine_server, "/v1/completions", completion)
+    assert docs[0]["choices"][0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert all(d["choices"][0]["prompt_token_ids"] is None for d in docs[1:])
+    assert [t for d in docs for t in d["choices"][0]["token_ids"]] == whole["token_ids"]
+    assert "".join(d["choices"][0]["text"] for d in docs) == whole["text"]
+    assert [x for d in docs for x in d["choices"][0]["logprobs"]["token_logprobs"]] == \
+        whole["logprobs"]["token_logprobs"]
+
+
+def test_concurrent_requests_get_the_same_answers_as_alone(engine_server: Process) -> None:
+    bodies = [{"model": MODEL, "prompt": f"prompt number {i}" * (1 + i % 3),
+               "max_tokens": 4 + i % 5, "temperature": 0.7, "seed": i, "logprobs": 0,
+               "return_token_ids": True} for i in range(16)]
+
+    def run(body: dict[str, Any]) -> Any:
+        c = post(engine_server, "/v1/completions", body).json()["choices"][0]
+        return c["token_ids"], c["logprobs"]["token_logprobs"]
+
+    alone = [run(b) for b in bodies]
+    with ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(run, bodies))
+    assert together == alone
+
+
+@pytest.mark.parametrize(("path", "body", "status", "fragment"), [
+    ("/v1/completions", {"prompt": "a", "n": 2}, 400, "`n`"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"1": 2}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "model": "other"}, 404, "does not exist"),
+    ("/v1/completions", {"prompt": "a" * 1020, "max_tokens": 10}, 400, "context length"),
+    ("/v1/completions", {"prompt": [300]}, 400, "token ids"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "top_logprobs": 2}, 400, "logprobs"),
+])
+def test_refusals_use_openai_error_bodies(engine_server: Process, path: str,
+                                          body: dict[str, Any], status: int,
+                                          fragment: str) -> None:
+    r = post(engine_server, path, body)
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert fragment in error["message"] and error["code"] == status
+
+
+# ------------------------------------------------------------------ text rules (no server)
+def _choice(tokens: list[int], stop: list[str], include: bool = False,
+            finish: str = "length") -> oa.ChoiceText:
+    parsed = oa.Parsed(kind="completion", request_id="cmpl-x", model=MODEL, prompts=[[256]],
+                       sampling=[SamplingParams(max_tokens=len(tokens))], stream=True,
+                       stop=stop, include_stop_str=include)
+    result = GenerationResult(id="x", token_ids=tokens, finish_reason=finish,
+                              logprobs=[-1.0] * len(tokens), top_logprobs=None,
+                              logits_sha256=[])
+    return oa.finish_text(result, parsed.sampling[0], parsed, ByteTokenizer())
+
+
+def test_incomplete_utf8_is_held_back_and_deltas_join_to_the_text() -> None:
+    c = _choice([*"aé".encode(), 0xE2, 0x82, 0xAC, 0xFF], [])     # a, é, €, invalid byte
+    assert c.text == "aé€\ufffd" and "".join(c.deltas) == c.text
+    assert c.deltas == ["a", "", "é", "", "", "€", "\ufffd"]
+
+
+def test_stop_string_truncates_text_and_tokens() -> None:
+    c = _choice(list(b"abXYcd"), ["XY"])
+    assert (c.text, c.token_ids, c.finish_reason, c.stop_reason) == ("ab", list(b"abXY"),
+                                                                     "stop", "XY")
+    assert c.deltas == ["", "a", "b", ""]       # one character held back: "XY" may start
+    kept = _choice(list(b"abXYcd"), ["XY"], include=True)
+    assert kept.text == "abXY"
+    assert _choice(list(b"abc"), ["zz"]).finish_reason == "length"
