@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from sqlalchemy import text as sa_text
 
 from ledger.core.envelope import validate_statement
 from tests.capture.conftest import CaptureFiles, Process, wait_for_envelope
@@ -228,3 +230,38 @@ def test_full_spool_fails_closed_and_strict_refuses_unrecordable(
                 break
             assert time.monotonic() < deadline, "the spool never filled up"
             time.sleep(0.05)
+
+
+def test_every_proxied_call_is_disputed_and_reproduced(api: ApiServer, tmp_path: Path) -> None:
+    """Issue 6, acceptance 2: each call made through the proxy in this module is an
+    envelope whose dispute ends ``reproduced`` at the bitwise tier (replayed by a worker
+    holding tiny-demo, with the same runtime as `ledger engine serve`)."""
+    from ledger.core.keys import generate_private_key
+    from ledger.db.session import make_engine, session_scope
+    from ledger.replay.records import Signer
+    from ledger.settings import Settings
+    from workers.replay import ReplayWorker
+
+    settings = Settings(database_url=api.db_url)  # type: ignore[attr-defined]
+    db = make_engine(settings, pool_size=2)
+    signer = Signer(generate_private_key(), "worker", "capture-test-worker")
+    with session_scope(db) as s:
+        signer.ensure_registered(s)
+        request_ids = [r[0] for r in s.execute(sa_text(
+            "SELECT request_id FROM envelopes WHERE request_id LIKE 'cmpl-%' "
+            "OR request_id LIKE 'chatcmpl-%' ORDER BY log_index"))]
+    assert len(request_ids) >= len(CASES) * 2
+    worker = ReplayWorker(settings, db, models=["tiny-demo"], signer=signer)
+    worker.register()
+    verdicts = {}
+    with api.client("reviewer") as c:
+        for rid in request_ids:
+            r = c.post("/v1/disputes", json={"request_id": rid, "reason": "capture check"})
+            assert r.status_code == 201, r.text
+            assert r.json()["state"] == "queued", r.json()  # the worker's fingerprint matches
+            assert worker.run_job(r.json()["job_id"]) == "done"
+            d = c.get(f"/v1/disputes/{r.json()['id']}").json()
+            verdicts[rid] = (d["state"], d["verdict"]["outcome"], d["verdict"]["tier"])
+    worker.stop()
+    db.dispose()
+    assert set(verdicts.values()) == {("verdict", "reproduced", "bitwise")}, verdicts
