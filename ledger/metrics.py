@@ -20,3 +20,5 @@ REQUEST_LATENCY = Histogram(
     "ledger_http_request_duration_seconds", "HTTP request latency by route and status.",
     ["method", "route", "status"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+SHED = Counter("ledger_requests_shed_total",
+               "Requests refused with 503 because the process was at capacity.")

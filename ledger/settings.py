@@ -81,6 +81,14 @@ class Settings(BaseSettings):
         description="Server secret mixed into API-key hashes (HMAC-SHA256). Set it in production.",
     )
 
+    max_inflight_requests: int = Field(default=64, ge=1,
+                                       description="Per API process; beyond it: 503.")
+    max_inflight_bytes: int = Field(default=256 * 1024 * 1024, ge=1,
+                                    description="Declared request bytes held at once per "
+                                    "API process; beyond it: 503 (bounded memory).")
+    db_pool_timeout_s: float = Field(default=10.0, gt=0,
+                                     description="Wait for a pooled connection, then 503.")
+
     # --- input limits ------------------------------------------------------------------
     max_envelope_bytes: int = 4 * 1024 * 1024        # one DSSE envelope (JSON), as received
     max_request_bytes: int = 64 * 1024 * 1024        # one HTTP body (batch ingest)

@@ -21,10 +21,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as SATimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ledger import __version__, metrics
+from ledger.api.links import add_links
 from ledger.api.routes import envelopes, health, keys
 from ledger.api.routes import log as log_routes
 from ledger.api.routes import replay as replay_routes
@@ -53,19 +55,58 @@ def _problem_response(body: dict[str, Any], headers: dict[str, str] | None = Non
 
 
 class BodyLimitAndMetrics:
-    """Pure ASGI middleware: refuse oversized bodies early, time every request."""
+    """Pure ASGI middleware: refuse oversized bodies early, shed load, time every request.
 
-    def __init__(self, app: ASGIApp, max_body: int) -> None:
+    Back-pressure: a process holds at most ``max_inflight`` requests and ``max_inflight_bytes``
+    of declared request bodies at once; beyond that it answers 503 with ``Retry-After``
+    before reading the body, so a burst far above capacity costs a short reply each, and
+    memory stays bounded, instead of a queue that grows until the process falls over.
+    Health, readiness and metrics are never shed.
+    """
+
+    UNSHED = (b"/healthz", b"/readyz", b"/metrics")
+
+    def __init__(self, app: ASGIApp, max_body: int, max_inflight: int = 64,
+                 max_inflight_bytes: int = 256 * 1024 * 1024) -> None:
         self.app = app
         self.max_body = max_body
+        self.max_inflight = max_inflight
+        self.max_inflight_bytes = max_inflight_bytes
+        self.inflight = 0
+        self.inflight_bytes = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status_holder = {"status": 500}
         headers = dict(scope.get("headers") or [])
+        declared_bytes = 0
+        try:
+            declared_bytes = max(0, int(headers.get(b"content-length", b"0")))
+        except ValueError:
+            declared_bytes = 0
+        path = scope.get("raw_path") or scope.get("path", "").encode()
+        if path not in self.UNSHED and (
+                self.inflight >= self.max_inflight
+                or self.inflight_bytes + declared_bytes > self.max_inflight_bytes):
+            metrics.SHED.inc()
+            await _problem_response(
+                problem(503, "overloaded", "the ledger is at capacity; retry after "
+                        "Retry-After seconds"), {"Retry-After": "1"})(scope, receive, send)
+            self._observe(scope, 503, start)
+            return
+        self.inflight += 1
+        self.inflight_bytes += declared_bytes
+        try:
+            await self._handle(scope, receive, send, headers, start)
+        finally:
+            self.inflight -= 1
+            self.inflight_bytes -= declared_bytes
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send,
+                      headers: dict[bytes, bytes], start: float) -> None:
+        status_holder = {"status": 500}
         length = headers.get(b"content-length")
         too_large = problem(413, "too_large",
                             f"request body exceeds the limit of {self.max_body} bytes")
@@ -197,6 +238,12 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
                                          "a value cannot be stored or compared: " +
                                          str(getattr(exc, "orig", exc)).splitlines()[0]))
 
+    @app.exception_handler(SATimeoutError)
+    async def pool_exhausted(_: Request, exc: Exception) -> Response:
+        return _problem_response(problem(503, "overloaded", "no database connection free; "
+                                         "retry after Retry-After seconds"),
+                                 {"Retry-After": "1"})
+
     @app.exception_handler(OperationalError)
     @app.exception_handler(DBAPIError)
     async def database_error(_: Request, exc: Exception) -> Response:
@@ -223,7 +270,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
 
     for router in ROUTERS:
         app.include_router(router)
-    app.add_middleware(BodyLimitAndMetrics, max_body=settings.max_request_bytes)
+    app.add_middleware(BodyLimitAndMetrics, max_body=settings.max_request_bytes,
+                       max_inflight=settings.max_inflight_requests,
+                       max_inflight_bytes=settings.max_inflight_bytes)
 
     original_openapi = app.openapi
 
@@ -240,8 +289,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
                 comps[name] = getattr(s, name).model_json_schema(
                     ref_template="#/components/schemas/{model}")
                 comps.update(comps[name].pop("$defs", {}))
-        app.openapi_schema = schema
-        return schema
+        app.openapi_schema = add_links(schema)
+        return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
     return app

@@ -30,6 +30,7 @@ def make_engine(settings: Settings | None = None, *, url: str | None = None,
         pool_size=pool_size or settings.db_pool_size,
         max_overflow=settings.db_pool_size,
         pool_pre_ping=True,
+        pool_timeout=settings.db_pool_timeout_s,
         pool_recycle=1800,
         connect_args={"connect_timeout": 5},
     )
