@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import psycopg
 import pytest
@@ -108,3 +109,11 @@ def api(module_db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         server.producer = producer  # type: ignore[attr-defined]
         server.db_url = module_db_url  # type: ignore[attr-defined]
         yield server
+
+
+@pytest.fixture(scope="session")
+def tiny_engine() -> Any:
+    """The reference engine on tiny-demo (fp32, batch invariant, one CPU thread)."""
+    from workers.engine import load_engine
+
+    return load_engine("tiny-demo")

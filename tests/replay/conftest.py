@@ -7,7 +7,6 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ledger.artifacts import artifact_hashes
@@ -67,10 +66,3 @@ def tamper(rec: Recorded, producer: Ed25519PrivateKey, k: int, new_request_id: s
     tokens[k] = (tokens[k] + 1) % 256
     st["subject"] = [{"name": new_request_id, "digest": {"sha256": output_digest(tokens)}}]
     return Recorded(new_request_id, st, envelope_to_json(sign_statement(st, producer)))
-
-
-@pytest.fixture(scope="session")
-def tiny_engine() -> Any:
-    from workers.engine import load_engine
-
-    return load_engine("tiny-demo")
