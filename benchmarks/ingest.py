@@ -28,7 +28,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import machine, pct, scratch_database, table  # noqa: E402
+from benchmarks._common import machine, pct, scratch_database, table
 
 
 def make_bodies(n: int, batch: int, producer_pem: bytes) -> list[bytes]:

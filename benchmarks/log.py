@@ -31,7 +31,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import machine, pct, scratch_database, table  # noqa: E402
+from benchmarks._common import machine, pct, scratch_database, table
 
 
 def sequence_synthetic(pg_url: str, n: int) -> None:
@@ -117,7 +117,8 @@ def main() -> None:
         rows.append(["inclusion proof, in-process", "", f"p50 {pct(inc_lat, 50) * 1e3:.2f} ms",
                      f"p99 {pct(inc_lat, 99) * 1e3:.2f} ms"])
         rows.append(["consistency proof, in-process", "",
-                     f"p50 {pct(cons_lat, 50) * 1e3:.2f} ms", f"p99 {pct(cons_lat, 99) * 1e3:.2f} ms"])
+                     f"p50 {pct(cons_lat, 50) * 1e3:.2f} ms",
+                     f"p99 {pct(cons_lat, 99) * 1e3:.2f} ms"])
 
         with run_server(url, extra_env={"LEDGER_LOG_NAME": signer.origin}) as server, \
                 httpx.Client(base_url=server.base_url) as http:
@@ -131,7 +132,8 @@ def main() -> None:
                     lat.append(time.perf_counter() - t)
                     assert r.status_code == 200, r.text
                 rows.append([f"{name} proof over HTTP (1 connection)", "",
-                             f"p50 {pct(lat, 50) * 1e3:.2f} ms", f"p99 {pct(lat, 99) * 1e3:.2f} ms"])
+                             f"p50 {pct(lat, 50) * 1e3:.2f} ms",
+                             f"p99 {pct(lat, 99) * 1e3:.2f} ms"])
 
         # offline verification of a bundle of real envelopes
         keys, producer = provision(url)

@@ -21,7 +21,7 @@ import psycopg
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import machine, pct, scratch_database, table  # noqa: E402
+from benchmarks._common import machine, pct, scratch_database, table
 
 
 def wait_all(pg_url: str, sql: str, params: tuple[object, ...], want: int,
@@ -107,10 +107,10 @@ def main() -> None:
             idx = dict(conn.execute("SELECT request_id, log_index FROM envelopes").fetchall())
             fp = conn.execute("SELECT fingerprint_id FROM envelopes LIMIT 1").fetchone()[0]
         publisher = CeleryPublisher(settings)
-        for label, chunk, part in (("batched jobs of 32", 32, recs[args.disputes:
-                                                                    args.disputes + args.envelopes]),
-                                   ("one envelope per job", 1, recs[args.disputes
-                                                                    + args.envelopes:])):
+        batched = recs[args.disputes:args.disputes + args.envelopes]
+        singles = recs[args.disputes + args.envelopes:]
+        for label, chunk, part in (("batched jobs of 32", 32, batched),
+                                   ("one envelope per job", 1, singles)):
             with session_scope(db) as s:
                 made = [jobs.create_job(s, fingerprint_id=fp, kind="reverification",
                                         items=[(idx[r.request_id], r.request_id, None)

@@ -153,7 +153,7 @@ def run_demo(data_dir: Path, *, keep_running: bool = False, port: int = 8000,
     data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     keys_dir = data_dir / "keys"
-    rng = random.Random(2026)
+    rng = random.Random(2026)  # noqa: S311 - batch composition for a demo, not a secret
     stamp = time.strftime("%H%M%S")
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
@@ -294,12 +294,12 @@ def run_demo(data_dir: Path, *, keep_running: bool = False, port: int = 8000,
             result.audit_ok = report.ok
             progress.advance(tail)
             result.bundle = data_dir / "bundle.jsonl"
-            with client("auditor") as c, result.bundle.open("wb") as fh:
-                with c.stream("GET", "/v1/export", params={
-                        "request_id": [row["request"] for row in result.rows]}) as resp:
-                    resp.raise_for_status()
-                    for chunk in resp.iter_bytes():
-                        fh.write(chunk)
+            rids = [row["request"] for row in result.rows]
+            with client("auditor") as c, result.bundle.open("wb") as fh, c.stream(
+                    "GET", "/v1/export", params={"request_id": rids}) as resp:
+                resp.raise_for_status()
+                for chunk in resp.iter_bytes():
+                    fh.write(chunk)
             progress.advance(tail)
             from ledger.core.bundle import verify_lines
             from ledger.core.note import NoteVerifier
@@ -370,4 +370,4 @@ def reset(data_dir: Path) -> None:
     shutil.rmtree(data_dir, ignore_errors=True)
 
 
-__all__ = ["run_demo", "reset"]
+__all__ = ["reset", "run_demo"]

@@ -14,7 +14,9 @@ from ledger.core.errors import (
 from ledger.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized, Unavailable
 
 PROBLEM_TYPE_PREFIX = "urn:inference-ledger:problem:"
-MEDIA_TYPE = "application/problem+json"
+# The charset is stated so that clients which guess encodings for non-`application/json`
+# types (requests does) decode non-ASCII details correctly.
+MEDIA_TYPE = "application/problem+json; charset=utf-8"
 
 _STATUS_BY_CLASS: tuple[tuple[type[LedgerError], int], ...] = (
     (Unavailable, 503),

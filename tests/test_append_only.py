@@ -19,9 +19,8 @@ APPEND_ONLY = ("log_entries", "envelopes", "audit_events")
 
 def _seed(db_url: str) -> None:
     from ledger.db.session import session_scope
-    from ledger.services import ingest
+    from ledger.services import audit, ingest
     from ledger.services.apikeys import Principal
-    from ledger.services import audit
 
     _, producer = provision(db_url)
     eng = make_engine(url=db_url, pool_size=1)
@@ -49,8 +48,8 @@ def test_app_role_has_no_update_delete_truncate(db_url: str, app_login: str, tab
     eng = make_engine(Settings(database_url=app_login, database_role="ledger_app"), pool_size=1)
     with eng.connect() as conn:
         assert conn.execute(text(f"SELECT count(*) FROM {table}")).scalar_one() >= 1
-    for stmt in (f"UPDATE {table} SET created_at = now()" if table == "log_entries"
-                 else f"UPDATE {table} SET {'request_id' if table == 'envelopes' else 'actor'} = 'x'",
+    column = {"log_entries": "kind", "envelopes": "request_id", "audit_events": "actor"}[table]
+    for stmt in (f"UPDATE {table} SET {column} = 'x'",
                  f"DELETE FROM {table}", f"TRUNCATE {table} CASCADE"):
         with eng.connect() as conn, pytest.raises(Exception) as info:
             conn.execute(text(stmt))

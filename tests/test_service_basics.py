@@ -32,7 +32,8 @@ def test_health_ready_metrics_openapi(api: ApiServer) -> None:
         assert c.get("/healthz").json() == {"status": "ok"}
         ready = c.get("/readyz")
         assert ready.status_code == 200 and ready.json()["revision"]
-        assert c.get("/v1/schemas/envelope").json()["$id"] == "urn:inference-ledger:envelope:v1:schema"
+        schema_id = c.get("/v1/schemas/envelope").json()["$id"]
+        assert schema_id == "urn:inference-ledger:envelope:v1:schema"
         assert c.get("/openapi.json").json()["info"]["title"] == "inference-ledger"
     with api.client("ingester") as c:
         c.post("/v1/envelopes", json=signed(statement(), api.producer))  # type: ignore[attr-defined]

@@ -33,13 +33,13 @@ from ledger.api.routes import replay as replay_routes
 from ledger.api.schemas import Problem
 from ledger.core.errors import LedgerError
 from ledger.db.session import make_engine, session_factory, session_scope
+from ledger.errors import Unavailable
 from ledger.log.integrator import IntegratorThread
 from ledger.log.signer import LogSigner
 from ledger.log.sink import sink_from_settings
+from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
 from ledger.replay.broker import CeleryPublisher, Publisher
 from ledger.replay.records import Signer
-from ledger.errors import Unavailable
-from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
 from ledger.settings import Settings, get_settings
 
 log = logging.getLogger("ledger.api")

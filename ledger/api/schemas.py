@@ -7,7 +7,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-
 # Free text from clients: no control characters (PostgreSQL text cannot hold NUL at all).
 SAFE_TEXT = r"^[^\x00-\x1f\x7f]*$"
 
@@ -49,7 +48,7 @@ class DsseEnvelopeIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     payload: str
-    payloadType: Literal["application/vnd.in-toto+json"]  # noqa: N815 - DSSE name
+    payloadType: Literal["application/vnd.in-toto+json"]
     signatures: list[DsseSignature] = Field(min_length=1, max_length=8)
 
 

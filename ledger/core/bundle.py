@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import orjson
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from ledger.core import dsse, jsonstrict
 from ledger.core.errors import LedgerError, VerificationError

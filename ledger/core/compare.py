@@ -1,11 +1,13 @@
 """Comparing a replay with its record: which reproducibility tier holds.
 
-| tier / outcome | holds when |
-| --- | --- |
-| ``reproduced`` at ``bitwise`` | same token IDs and every recorded numeric identical bit for bit |
-| ``reproduced`` at ``token`` | same token IDs; recorded numerics differ (max abs / rel difference reported) |
-| ``reproduced`` at ``tolerance`` | token IDs differ, but every per-step logprob difference before the first divergence is within the stated bound |
-| ``diverged`` | first diverging position k, expected vs replayed token at k, top-k logprobs at k-1 and k from both sides |
+- ``reproduced`` at ``bitwise``: same token IDs and every recorded numeric identical bit
+  for bit;
+- ``reproduced`` at ``token``: same token IDs; recorded numerics differ (max abs / rel
+  difference reported);
+- ``reproduced`` at ``tolerance``: token IDs differ, but every per-step logprob difference
+  before the first divergence is within the stated bound;
+- ``diverged``: first diverging position k, expected vs replayed token at k, top-k
+  logprobs at k-1 and k from both sides.
 
 Recorded logprobs are fp32 values written as JSON numbers; the reference engine reports
 the same fp32 values as Python floats, so "bit for bit" is exact float equality here.

@@ -44,6 +44,9 @@ TokenId = Annotated[int, Field(ge=0, description="a token ID; at most the ledger
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 ShortStr = Annotated[str, Field(min_length=1, max_length=200)]
 OptShortStr = Annotated[str | None, Field(default=None, max_length=200)]
+FlagValue = (Annotated[str, Field(max_length=1000)] | int | float | bool
+             | Annotated[list[Annotated[str, Field(max_length=200)]], Field(max_length=256)]
+             | None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +68,8 @@ class Subject(_Model):
 
 
 class Artifacts(_Model):
-    model_sha256: Sha256Hex = Field(description="Model directory hash (docs/envelope.md#artifact-hash)")
+    model_sha256: Sha256Hex = Field(
+        description="Model directory hash (docs/envelope.md#artifact-hash)")
     tokenizer_sha256: Sha256Hex | None = None
     chat_template_sha256: Sha256Hex | None = None
     model_name: ShortStr
@@ -109,11 +113,8 @@ class Runtime(BaseModel):
     quantization: OptShortStr
     cpu_isa: OptShortStr
     cpu_threads: int | None = Field(default=None, ge=1, le=65536)
-    engine_flags: dict[Annotated[str, Field(max_length=200)],
-                       Annotated[str, Field(max_length=1000)] | int | float | bool | None
-                       | Annotated[list[Annotated[str, Field(max_length=200)]],
-                                   Field(max_length=256)]] = (
-        Field(default_factory=dict, max_length=256))
+    engine_flags: dict[Annotated[str, Field(max_length=200)], FlagValue] = Field(
+        default_factory=dict, max_length=256)
 
     @model_validator(mode="after")
     def _extras_are_scalars(self) -> Runtime:
@@ -207,7 +208,7 @@ class EnvelopeStatement(_Model):
 
     type_: Literal["https://in-toto.io/Statement/v1"] = Field(alias="_type")
     subject: list[Subject] = Field(min_length=1, max_length=16)
-    predicateType: Literal["urn:inference-ledger:envelope:v1"]  # noqa: N815 - in-toto name
+    predicateType: Literal["urn:inference-ledger:envelope:v1"]
     predicate: EnvelopePredicate
 
     @model_validator(mode="after")

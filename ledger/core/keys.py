@@ -43,7 +43,8 @@ def private_pem(key: Ed25519PrivateKey) -> bytes:
 
 def public_pem(key: Ed25519PrivateKey | Ed25519PublicKey) -> bytes:
     pub = key.public_key() if isinstance(key, Ed25519PrivateKey) else key
-    return pub.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return pub.public_bytes(serialization.Encoding.PEM,
+                            serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
 def load_private_pem(data: bytes) -> Ed25519PrivateKey:

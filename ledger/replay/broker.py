@@ -84,7 +84,7 @@ class InProcessPublisher:
         while (job_id := self._queue.get()) is not None:
             try:
                 self.run(job_id)
-            except Exception:  # noqa: BLE001 - a failed job is retried by the sweeper
+            except Exception:
                 logging.getLogger("ledger.worker").exception("in-process job %s", job_id)
             with self._lock:
                 self._pending -= 1

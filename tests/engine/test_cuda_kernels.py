@@ -283,6 +283,54 @@ def test_prefill_attention_invariant_and_accurate(dtype: torch.dtype) -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# RoPE + KV-cache write
+# ----------------------------------------------------------------------------------------
+
+
+def _rope_case(dtype: torch.dtype, hq: int, hkv: int, d: int, t: int) -> None:
+    """The fused kernel equals apply_rope + KVCache.write bit for bit (fp32 off-GPU: the
+    interpreter truncates fp32 -> bf16 where the GPU and torch round)."""
+    from workers.engine.config import LLAMA3_8B_CONFIG, ModelConfig
+    from workers.engine.model import apply_rope, rope_table
+
+    gen = torch.Generator().manual_seed(11)
+    qkv = randn(t, (hq + 2 * hkv) * d, dtype=dtype, gen=gen)
+    positions = torch.randperm(300, generator=gen)[:t]   # distinct: each cache cell once
+    slots = torch.randint(0, 5, (t,), generator=gen)
+    cfg = ModelConfig.from_hf({**LLAMA3_8B_CONFIG, "head_dim": d})
+    cos_all, sin_all = rope_table(cfg, 0, 300, DEV)
+    cos, sin = cos_all[positions.to(DEV)], sin_all[positions.to(DEV)]
+    shape = (5, hkv, 320, d)
+    kc, vc = torch.zeros(shape, dtype=dtype, device=DEV), torch.zeros(shape, dtype=dtype,
+                                                                       device=DEV)
+    q, k = ck.rope_qkv_to_cache(qkv, cos, sin, kc, vc, slots.to(DEV), positions.to(DEV),
+                                hq, hkv)
+    q_ref = apply_rope(qkv[:, :hq * d].reshape(t, hq, d), cos, sin)
+    k_ref = apply_rope(qkv[:, hq * d:(hq + hkv) * d].reshape(t, hkv, d), cos, sin)
+    v_ref = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d)
+    kc_ref, vc_ref = torch.zeros_like(kc), torch.zeros_like(vc)
+    kc_ref[slots.to(DEV), :, positions.to(DEV)] = k_ref
+    vc_ref[slots.to(DEV), :, positions.to(DEV)] = v_ref
+    assert k is not None
+    assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    q2, k2 = ck.rope_qkv_to_cache(qkv, cos, sin, kc, vc, slots.to(DEV), positions.to(DEV),
+                                  hq, hkv, return_k=False)
+    assert k2 is None and torch.equal(q2, q)
+
+
+def test_rope_kv_write_matches_torch() -> None:
+    _rope_case(torch.float32, hq=4, hkv=2, d=32, t=37)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_rope_kv_write_matches_torch(dtype: torch.dtype) -> None:
+    _rope_case(dtype, hq=32, hkv=8, d=128, t=250)
+
+
+# ----------------------------------------------------------------------------------------
 # GPU: Llama-3-8B shapes
 # ----------------------------------------------------------------------------------------
 

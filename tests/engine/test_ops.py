@@ -146,3 +146,29 @@ def test_dispatch_follows_the_mode() -> None:
         assert torch.equal(ops.linear(x, w), torch_kernels.bi_linear(x, w))
         assert ops.backend_name("cpu", True) == "torch-bi"
     assert ops.backend_name("cpu", False) == "torch-sdpa"
+
+
+def test_cuda_fast_path_functions_agree_with_the_cpu_ones() -> None:
+    """The default-mode CUDA functions (graph-safe masked SDPA decode, grouped causal SDPA
+    prefill, F.rms_norm) are plain torch: run them on CPU tensors against the CPU ones."""
+    g = torch.Generator().manual_seed(1)
+    hq, hkv, d, s = 8, 2, 16, 96
+    lens = torch.tensor([1, 37, 96, 5, 37], dtype=torch.int32)
+    q = torch.randn(5, hq, d, generator=g)
+    kc, vc = torch.randn(5, hkv, s, d, generator=g), torch.randn(5, hkv, s, d, generator=g)
+    want = torch_kernels.fast_decode_attention(q, kc, vc, lens, 0.25)
+    got = torch_kernels.fast_decode_attention_cuda(q, kc, vc, lens, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    lengths = [7, 3, 7, 1, 12, 3]                 # repeated lengths, not contiguous
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    t = sum(lengths)
+    q = torch.randn(t, hq, d, generator=g)
+    k, v = torch.randn(t, hkv, d, generator=g), torch.randn(t, hkv, d, generator=g)
+    want = torch_kernels.fast_prefill_attention(q, k, v, cu, 0.25)
+    got = torch_kernels.fast_prefill_attention_cuda(q, k, v, cu, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    x, w = torch.randn(4, 64, generator=g), torch.randn(64, generator=g)
+    torch.testing.assert_close(torch_kernels.fast_rms_norm_cuda(x, w, 1e-5),
+                               torch_kernels.fast_rms_norm(x, w, 1e-5))

@@ -3,6 +3,7 @@ without touching the machine's shared server."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import psycopg
@@ -36,7 +37,5 @@ class PrivatePostgres:
                user=self.server.system_user, timeout=30)
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # already stopped
             self.stop()
-        except Exception:  # noqa: BLE001 - already stopped
-            pass

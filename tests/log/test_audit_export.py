@@ -6,8 +6,6 @@ Tampering is done the way an insider with superuser rights would: triggers off
 
 from __future__ import annotations
 
-import base64
-import json
 import os
 import random
 import subprocess
@@ -31,7 +29,7 @@ from ledger.log.sink import DirectorySink
 from ledger.services import ingest
 from ledger.settings import Settings
 from tests.conftest import provision
-from tests.helpers import REPO, ApiServer, run_server, signed, statement
+from tests.helpers import REPO, run_server, signed, statement
 
 ORIGIN = "ledger.test/audit"
 N = 40

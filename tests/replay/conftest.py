@@ -7,10 +7,18 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import Engine
 
 from ledger.artifacts import artifact_hashes
+from ledger.core.keys import generate_private_key
+from ledger.db.session import make_engine, session_scope
+from ledger.log.signer import LogSigner
 from ledger.producer import build_statement, envelope_to_json, output_from_result, sign_statement
+from ledger.replay.records import Signer
+from ledger.settings import Settings
+from tests.conftest import provision
 
 
 @dataclass
@@ -66,3 +74,35 @@ def tamper(rec: Recorded, producer: Ed25519PrivateKey, k: int, new_request_id: s
     tokens[k] = (tokens[k] + 1) % 256
     st["subject"] = [{"name": new_request_id, "digest": {"sha256": output_digest(tokens)}}]
     return Recorded(new_request_id, st, envelope_to_json(sign_statement(st, producer)))
+
+
+ORIGIN = "ledger.test/replay"
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    db: Engine
+    producer: Ed25519PrivateKey
+    log_signer: LogSigner
+    service: Signer
+    worker_signer: Signer
+
+
+@pytest.fixture
+def stack(db_url: str) -> Any:
+    """A migrated database with log, service and worker keys registered (in-process)."""
+    _, producer = provision(db_url)
+    settings = Settings(database_url=db_url, log_name=ORIGIN, worker_dead_after_s=30)
+    db = make_engine(settings, pool_size=4)
+    log_signer = LogSigner(ORIGIN, generate_private_key())
+    service = Signer(generate_private_key(), "ledger", "ledger-service")
+    worker_signer = Signer(generate_private_key(), "worker", "test-worker")
+    with session_scope(db) as s:
+        log_signer.ensure_registered(s)
+        service.ensure_registered(s)
+        worker_signer.ensure_registered(s)
+    yield Stack(settings, db, producer, log_signer, service, worker_signer)
+    db.dispose()
+
+

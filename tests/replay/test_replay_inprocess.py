@@ -4,54 +4,18 @@ with the real engine. The multi-process Celery paths are in test_replay_workers.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import Engine, select
+from sqlalchemy import select
 
-from ledger.core.keys import generate_private_key
 from ledger.db.models import Dispute, DisputeEvent, ReplayJob, Verdict
-from ledger.db.session import make_engine, session_scope
+from ledger.db.session import session_scope
 from ledger.log.integrator import integrate_all
-from ledger.log.signer import LogSigner
 from ledger.replay import disputes as dispute_service
 from ledger.replay import jobs as job_service
-from ledger.replay.records import Signer
 from ledger.services import ingest
-from ledger.settings import Settings
-from tests.conftest import provision
-from tests.replay.conftest import record, tamper
-
-ORIGIN = "ledger.test/replay"
-
-
-@dataclass
-class Stack:
-    settings: Settings
-    db: Engine
-    producer: Ed25519PrivateKey
-    log_signer: LogSigner
-    service: Signer
-    worker_signer: Signer
-
-
-@pytest.fixture
-def stack(db_url: str) -> Any:
-    _, producer = provision(db_url)
-    settings = Settings(database_url=db_url, log_name=ORIGIN, worker_dead_after_s=30)
-    db = make_engine(settings, pool_size=4)
-    log_signer = LogSigner(ORIGIN, generate_private_key())
-    service = Signer(generate_private_key(), "ledger", "ledger-service")
-    worker_signer = Signer(generate_private_key(), "worker", "test-worker")
-    with session_scope(db) as s:
-        log_signer.ensure_registered(s)
-        service.ensure_registered(s)
-        worker_signer.ensure_registered(s)
-    yield Stack(settings, db, producer, log_signer, service, worker_signer)
-    db.dispose()
+from tests.replay.conftest import Stack, record, tamper
 
 
 def ingest_all(stack: Stack, envelopes: list[dict[str, Any]]) -> None:

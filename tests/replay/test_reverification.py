@@ -15,9 +15,9 @@ from ledger.db.models import ReplayJob, ReverificationPolicy, ReverificationRun,
 from ledger.db.session import session_scope
 from ledger.replay import gate, jobs, reverification
 from ledger.replay.broker import CeleryPublisher
-from tests.replay.conftest import record
+from tests.replay.conftest import Stack, record
 from tests.replay.stack import RedisServer
-from tests.replay.test_replay_inprocess import Stack, ingest_all, stack  # noqa: F401
+from tests.replay.test_replay_inprocess import ingest_all
 
 
 def _policy(stack: Stack, **kw: Any) -> ReverificationPolicy:
@@ -36,7 +36,7 @@ def _fake_live_worker(stack: Stack, fp: str, runtime: dict[str, Any]) -> None:
 
 
 def test_sampler_claims_each_window_once_even_concurrently(
-        stack: Stack, tiny_engine: Any, tmp_path: Path) -> None:  # noqa: F811
+        stack: Stack, tiny_engine: Any, tmp_path: Path) -> None:
     recs = record(tiny_engine, stack.producer, 40, seed=31, prefix="rv")
     ingest_all(stack, [r.envelope for r in recs])
     from ledger.core.fingerprint import fingerprint_id
@@ -85,7 +85,7 @@ def test_sampler_claims_each_window_once_even_concurrently(
         redis_server.stop()
 
 
-def test_run_report_counts_and_drift(stack: Stack, tiny_engine: Any) -> None:  # noqa: F811
+def test_run_report_counts_and_drift(stack: Stack, tiny_engine: Any) -> None:
     from tests.replay.conftest import tamper
     from workers.replay import ReplayWorker
 
@@ -115,7 +115,7 @@ def test_run_report_counts_and_drift(stack: Stack, tiny_engine: Any) -> None:  #
     del policy
 
 
-def test_new_fingerprint_gets_a_gate_run_at_tolerance(stack: Stack, tiny_engine: Any) -> None:  # noqa: F811
+def test_new_fingerprint_gets_a_gate_run_at_tolerance(stack: Stack, tiny_engine: Any) -> None:
     from workers.replay import ReplayWorker
 
     recs = record(tiny_engine, stack.producer, 6, seed=33, prefix="gate")

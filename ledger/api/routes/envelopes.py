@@ -254,4 +254,4 @@ def envelope_schema() -> dict[str, Any]:
     return envelope_json_schema()
 
 
-__all__ = ["router", "DsseEnvelopeIn", "BatchIn"]
+__all__ = ["BatchIn", "DsseEnvelopeIn", "router"]

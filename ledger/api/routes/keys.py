@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import base64
-from typing import Any
-
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query
 from fastapi.responses import JSONResponse

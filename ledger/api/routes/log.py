@@ -23,9 +23,9 @@ from sqlalchemy.orm import Session
 from ledger.api.auth import require
 from ledger.api.deps import get_session
 from ledger.api.schemas import COMMON_RESPONSES
+from ledger.core.errors import ValidationFailed
 from ledger.core.note import format_verifier_key
 from ledger.core.tiles import EntryBundle, Tile, encode_entry_bundle, parse_tile_path, tile_width
-from ledger.core.errors import ValidationFailed
 from ledger.errors import NotFound
 from ledger.log import proofs
 from ledger.log.export import Selection, bundle_lines

@@ -163,7 +163,8 @@ def verdict_out(v: Verdict) -> dict[str, Any]:
                                              "or this Idempotency-Key was used: returned as is"}})
 def open_dispute(
     body: DisputeIn, request: Request,
-    idempotency_key: Annotated[str | None, Header(max_length=200, pattern=r"^[\x21-\x7e]+$")] = None,
+    idempotency_key: Annotated[str | None,
+                               Header(max_length=200, pattern=r"^[\x21-\x7e]+$")] = None,
     principal: Principal = Depends(require("disputes:write")),
     session: Session = Depends(get_session),
     settings: Settings = Depends(get_settings_dep),
