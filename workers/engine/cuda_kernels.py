@@ -5,7 +5,9 @@
 Batch invariance: every row's output bits depend only on that row's inputs (and the weights),
 never on how many other rows share the launch, where the row sits, or how large a cache was
 allocated. The engine's dispatch module imports this file lazily (CUDA, batch-invariant mode)
-and calls the five public functions below; nothing else is public API.
+and calls the five ``bi_*`` functions below; ``rope_qkv_to_cache`` is elementwise engine glue
+(RoPE + KV-cache write in one launch) that the model uses on CUDA in both modes. Nothing else
+is public API.
 
 How each kernel stays invariant (docs/cuda_kernels.md has the long version and the numbers):
 
@@ -59,6 +61,7 @@ __all__ = [
     "bi_prefill_attention",
     "bi_rms_norm",
     "linear_k_segment",
+    "rope_qkv_to_cache",
 ]
 
 KERNELS_VERSION = "bi-triton-2"
@@ -509,6 +512,101 @@ def bi_log_softmax(x: torch.Tensor) -> torch.Tensor:
     block = min(4096, triton.next_power_of_2(v))  # NUMERICS: a function of V only
     _log_softmax_kernel[(m,)](x, y, x.stride(0), y.stride(0), v, BLOCK=block, num_warps=8)
     return y
+
+
+# ----------------------------------------------------------------------------------------
+# RoPE + KV-cache write: the attention glue between the qkv projection and attention
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rope_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, slots_ptr, pos_ptr, q_ptr, k_ptr,
+                    kc_ptr, vc_ptr,
+                    stride_qkv, stride_cs, stride_q, stride_k,
+                    stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs,
+                    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK: tl.constexpr, WRITE_K: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)                       # q heads, then k heads, then v heads
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    src = qkv_ptr + t * stride_qkv + h * (2 * HALF)
+    x1 = tl.load(src + offs, mask=mask, other=0.0)
+    x2 = tl.load(src + HALF + offs, mask=mask, other=0.0)
+    if h < HQ + HKV:
+        c = tl.load(cos_ptr + t * stride_cs + offs, mask=mask, other=0.0)
+        s = tl.load(sin_ptr + t * stride_cs + offs, mask=mask, other=0.0)
+        a = x1.to(tl.float32)
+        b = x2.to(tl.float32)
+        # The torch formula's operations, each rounded (launched with fp fusion off).
+        o1 = (a * c - b * s).to(x1.dtype)
+        o2 = (b * c + a * s).to(x1.dtype)
+        if h < HQ:
+            dst = q_ptr + t * stride_q + h * (2 * HALF)
+            tl.store(dst + offs, o1, mask=mask)
+            tl.store(dst + HALF + offs, o2, mask=mask)
+        else:
+            slot = tl.load(slots_ptr + t)
+            pos = tl.load(pos_ptr + t)
+            dst = kc_ptr + slot * stride_kcb + (h - HQ) * stride_kch + pos * stride_kcs
+            tl.store(dst + offs, o1, mask=mask)
+            tl.store(dst + HALF + offs, o2, mask=mask)
+            if WRITE_K:
+                dst = k_ptr + t * stride_k + (h - HQ) * (2 * HALF)
+                tl.store(dst + offs, o1, mask=mask)
+                tl.store(dst + HALF + offs, o2, mask=mask)
+    else:
+        slot = tl.load(slots_ptr + t)
+        pos = tl.load(pos_ptr + t)
+        dst = vc_ptr + slot * stride_vcb + (h - HQ - HKV) * stride_vch + pos * stride_vcs
+        tl.store(dst + offs, x1, mask=mask)
+        tl.store(dst + HALF + offs, x2, mask=mask)
+
+
+def rope_qkv_to_cache(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    n_q_heads: int,
+    n_kv_heads: int,
+    return_k: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotate q and k (rotate-half RoPE in fp32, as ``workers.engine.model.apply_rope``) and
+    write k and v into the cache at (slot, position), in one launch.
+
+    qkv [T, (Hq + 2 Hkv) * D] (rows: q heads, k heads, v heads), cos/sin fp32 [T, D/2],
+    caches [slots, Hkv, S, D], slots/positions int64 [T]. Returns q [T, Hq, D] and, if
+    ``return_k``, the rotated k [T, Hkv, D]. Elementwise: every element is computed by the
+    same instructions, and with fp contraction off they are the torch formula's operations,
+    so the bits equal ``apply_rope``'s (checked in tests/engine/test_cuda_kernels.py).
+    """
+    t, width = qkv.shape
+    head_dim = width // (n_q_heads + 2 * n_kv_heads)
+    assert width == (n_q_heads + 2 * n_kv_heads) * head_dim and head_dim % 2 == 0
+    assert qkv.stride(1) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (t, head_dim // 2)
+    assert k_cache.shape == v_cache.shape and k_cache.shape[1] == n_kv_heads
+    assert k_cache.shape[3] == head_dim and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert slots.shape == positions.shape == (t,)
+    q = torch.empty((t, n_q_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    k = (torch.empty((t, n_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+         if return_k else None)
+    if t == 0:
+        return q, k
+    half = head_dim // 2
+    _rope_kv_kernel[(t, n_q_heads + 2 * n_kv_heads)](
+        qkv, cos, sin, slots, positions, q, k if k is not None else q, k_cache, v_cache,
+        qkv.stride(0), cos.stride(0), q.stride(0), k.stride(0) if k is not None else 0,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        HQ=n_q_heads, HKV=n_kv_heads, HALF=half, BLOCK=triton.next_power_of_2(half),
+        WRITE_K=k is not None, num_warps=1, enable_fp_fusion=False,
+    )
+    return q, k
 
 
 # ----------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,14 +61,22 @@ class Transformer:
         self._rope_cos = torch.empty(0, self.config.head_dim // 2, device=self.device)
         self._rope_sin = torch.empty_like(self._rope_cos)
 
-    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """cos, sin fp32 [T, D/2] for int64 positions [T]."""
-        need = int(positions.max().item()) + 1 if positions.numel() else 0
-        while self._rope_cos.shape[0] < need:
+    def ensure_rope(self, length: int) -> None:
+        """Grow the RoPE tables to cover positions 0..length-1 (whole blocks at a time)."""
+        while self._rope_cos.shape[0] < length:
             start = self._rope_cos.shape[0]
             cos, sin = rope_table(self.config, start, ROPE_BLOCK, self.device)
             self._rope_cos = torch.cat([self._rope_cos, cos])
             self._rope_sin = torch.cat([self._rope_sin, sin])
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """cos, sin fp32 [T, D/2] for int64 positions [T]."""
+        self.ensure_rope(int(positions.max().item()) + 1 if positions.numel() else 0)
+        return self.rope_at(positions)
+
+    def rope_at(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Like :meth:`rope`, without growing the tables (no host sync: CUDA-graph safe).
+        The caller has called :meth:`ensure_rope` for every position it passes."""
         return self._rope_cos[positions], self._rope_sin[positions]
 
 
@@ -158,6 +167,43 @@ def _attention_inputs(
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+#: On CUDA, do RoPE and the KV-cache write in one Triton launch (``cuda_kernels.
+#: rope_qkv_to_cache``) instead of ~20 small torch kernels per layer. Same bits (the kernel
+#: performs the torch formula's operations); a switch so tests can compare the two.
+FUSE_ROPE_ON_CUDA = True
+
+
+def _fused_rope_kernels(h: Tensor, layer: LayerWeights) -> Any:
+    """``cuda_kernels`` where the fused RoPE + KV write applies (CUDA, no q/k norm)."""
+    if FUSE_ROPE_ON_CUDA and h.is_cuda and layer.q_norm is None:
+        return ops.cuda_kernels()
+    return None
+
+
+def _attention_qkv(
+    model: Transformer, layer: LayerWeights, index: int, h: Tensor,
+    rope: tuple[Tensor, Tensor], cache: KVCache, slots: Tensor, positions: Tensor, *,
+    need_kv: bool,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """q [T, Hq, D] (RoPE applied) from normed hidden states h [T, hidden]; writes this
+    layer's k and v at (slot, position) into the cache. Also returns k, v [T, Hkv, D] if
+    ``need_kv`` (prefill attends to them directly)."""
+    ck = _fused_rope_kernels(h, layer)
+    if ck is None:
+        q, k, v = _attention_inputs(model, layer, h, rope)
+        cache.write(index, slots, positions, k, v)
+        return q, k, v
+    cfg = model.config
+    t, d = h.shape[0], cfg.head_dim
+    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    qkv = ops.linear(h, layer.wqkv, layer.bqkv)                           # [T, (Hq+2Hkv)*D]
+    cos, sin = rope
+    q_rot, k_rot = ck.rope_qkv_to_cache(qkv, cos, sin, cache.k[index], cache.v[index],
+                                        slots, positions, hq, hkv, return_k=need_kv)
+    v_view = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d) if need_kv else None  # [T, Hkv, D]
+    return q_rot, k_rot, v_view
+
+
 def _mlp(layer: LayerWeights, h: Tensor) -> Tensor:
     gate_up = ops.linear(h, layer.w_gate_up)                              # [T, 2I]
     gate, up = gate_up.chunk(2, dim=-1)                                   # [T, I] each
@@ -184,10 +230,11 @@ def prefill(
     x = model.embed[tokens]                                               # [T, hidden]
     rope = model.rope(positions)
     for i, layer in enumerate(model.layers):
-        q, k, v = _attention_inputs(
-            model, layer, ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), rope
+        q, k, v = _attention_qkv(
+            model, layer, i, ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), rope,
+            cache, slots, positions, need_kv=True,
         )
-        cache.write(i, slots, positions, k, v)
+        assert k is not None and v is not None
         attn = ops.prefill_attention(q, k, v, cu_seqlens, scale)          # [T, Hq, D]
         x = x + ops.linear(attn.reshape(x.shape[0], -1), layer.wo, layer.bo)
         x = x + _mlp(layer, ops.rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps))
@@ -196,11 +243,14 @@ def prefill(
 
 
 def decode_one_token(
-    model: Transformer, cache: KVCache, tokens: Tensor, positions: Tensor
+    model: Transformer, cache: KVCache, tokens: Tensor, positions: Tensor, *,
+    static: bool = False,
 ) -> Tensor:
     """One step for the sequences in cache slots 0..B-1.
 
     tokens, positions [B] int64 (slot b holds sequence b). Returns fp32 logits [B, V].
+    ``static``: no host sync anywhere (CUDA-graph capturable); the caller has sized the
+    RoPE tables (``model.ensure_rope(cache.max_seq)``).
     """
     cfg = model.config
     scale = cfg.head_dim ** -0.5
@@ -208,12 +258,12 @@ def decode_one_token(
     slots = torch.arange(b, device=tokens.device)
     seq_lens = (positions + 1).to(torch.int32)                            # [B]
     x = model.embed[tokens]                                               # [B, hidden]
-    rope = model.rope(positions)
+    rope = model.rope_at(positions) if static else model.rope(positions)
     for i, layer in enumerate(model.layers):
-        q, k, v = _attention_inputs(
-            model, layer, ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), rope
+        q, _, _ = _attention_qkv(
+            model, layer, i, ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), rope,
+            cache, slots, positions, need_kv=False,
         )
-        cache.write(i, slots, positions, k, v)
         attn = ops.decode_attention(q, cache.k[i][:b], cache.v[i][:b], seq_lens, scale)
         x = x + ops.linear(attn.reshape(b, -1), layer.wo, layer.bo)       # [B, hidden]
         x = x + _mlp(layer, ops.rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps))

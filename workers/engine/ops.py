@@ -6,8 +6,12 @@ The model calls only these functions; the **batch-invariant mode** decides what 
 mode / device      CPU (and CUDA w/o Triton)    CUDA with ``cuda_kernels``
 =================  ===========================  ==================================
 batch-invariant    ``torch_kernels.bi_*``       ``workers.engine.cuda_kernels.bi_*``
-off                ordinary torch (``F.linear``, SDPA, ``log_softmax``)
+off                ordinary torch: ``F.linear``, ``log_softmax``; on CPU
+                   ``torch_kernels.fast_*``; on CUDA ``F.rms_norm`` and SDPA
+                   (``torch_kernels.fast_*_cuda``: no host sync in decode)
 =================  ===========================  ==================================
+
+``silu_mul`` is elementwise: on CUDA both modes use ``F.silu(gate) * up``.
 
 The mode is scoped (like Thinking Machines' ``set_batch_invariant_mode``, but with
 ``try/finally``) and held in a ``ContextVar``, so it cannot leak past the ``with`` block,
@@ -124,6 +128,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x [M, D], weight [D] -> [M, D]; computed in fp32, returned in x's dtype."""
     if _BATCH_INVARIANT.get():
         return _bi(x).bi_rms_norm(x, weight, eps)  # type: ignore[no-any-return]
+    if x.is_cuda:
+        return torch_kernels.fast_rms_norm_cuda(x, weight, eps)
     return torch_kernels.fast_rms_norm(x, weight, eps)
 
 
@@ -135,8 +141,13 @@ def log_softmax(x: Tensor) -> Tensor:
 
 
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    """silu(gate) * up, [M, I]. Elementwise: identical per element on CUDA in either form."""
-    if _BATCH_INVARIANT.get():
+    """silu(gate) * up, [M, I].
+
+    Elementwise, so batch invariant wherever every element runs the same code. On CUDA that
+    holds for torch's fused ``F.silu`` (one functor per element, vectorised or not), so both
+    modes use it there. On CPU the invariant mode needs the exp form (see ``torch_kernels``).
+    """
+    if _BATCH_INVARIANT.get() and not gate.is_cuda:
         return torch_kernels.silu_mul(gate, up)
     return torch_kernels.fast_silu_mul(gate, up)
 
@@ -149,6 +160,8 @@ def decode_attention(
         return _bi(q).bi_decode_attention(  # type: ignore[no-any-return]
             q, k_cache, v_cache, seq_lens, scale
         )
+    if q.is_cuda:
+        return torch_kernels.fast_decode_attention_cuda(q, k_cache, v_cache, seq_lens, scale)
     return torch_kernels.fast_decode_attention(q, k_cache, v_cache, seq_lens, scale)
 
 
@@ -160,4 +173,6 @@ def prefill_attention(
         return _bi(q).bi_prefill_attention(  # type: ignore[no-any-return]
             q, k, v, cu_seqlens, scale
         )
+    if q.is_cuda:
+        return torch_kernels.fast_prefill_attention_cuda(q, k, v, cu_seqlens, scale)
     return torch_kernels.fast_prefill_attention(q, k, v, cu_seqlens, scale)
