@@ -138,7 +138,7 @@ def section(name: str, fn: Callable[[], Any]) -> None:
     t0 = time.time()
     try:
         RESULTS[name] = fn()
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - record the failure, run the next section
         RESULTS[name] = {"error": repr(exc), "traceback": traceback.format_exc()}
         log(f"!! {name} failed: {exc!r}")
         log(traceback.format_exc())

@@ -93,7 +93,7 @@ def cuda_kernels() -> ModuleType | None:
         _cuda_kernels_tried = True
         try:
             _cuda_kernels = importlib.import_module("workers.engine.cuda_kernels")
-        except Exception as exc:  # ImportError, or Triton failing to initialise
+        except Exception as exc:  # noqa: BLE001 - ImportError, or Triton failing to initialise
             _cuda_kernels_error = f"{type(exc).__name__}: {exc}"
     return _cuda_kernels
 

@@ -106,7 +106,7 @@ class StaticDecoder:
             # thread_local: the digest threads may wait on CUDA events meanwhile.
             with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                 logits = self._run(step)
-        except Exception as exc:  # pragma: no cover - depends on the torch build
+        except Exception as exc:  # noqa: BLE001  # pragma: no cover - depends on the torch build
             step.failed = True
             log.warning("CUDA graph capture of a %d-row decode step failed (%s: %s); "
                         "running it eagerly", step.tokens.shape[0], type(exc).__name__, exc)
