@@ -19,7 +19,7 @@ from tests.conftest import provision
 from tests.faults.clients import ClientPool, Tally
 from tests.helpers import REPO, free_port, signed, statement
 
-N = 10_000
+N = int(os.environ.get("LEDGER_FAULT_SCALE", "1")) * 10_000  # benchmarks/faults.py scales it
 BATCH = 50
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from tests.faults.pg import PrivatePostgres
 from tests.faults.test_api_sigkill import start_api
 from tests.helpers import free_port, signed, statement
 
-N = 4_000
+N = int(os.environ.get("LEDGER_FAULT_SCALE", "1")) * 4_000
 
 
 def test_postgres_restart_mid_ingest(tmp_path: Path) -> None:
