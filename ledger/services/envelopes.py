@@ -67,7 +67,8 @@ def decode_cursor(cursor: str, filters: SearchFilters) -> int:
         after, q = obj["after"], obj["q"]
     except (ValueError, KeyError, TypeError, binascii.Error, UnicodeError) as exc:
         raise BadRequest("cursor is not one this API issued", code="bad_cursor") from exc
-    if not isinstance(after, int) or isinstance(after, bool) or after < -1 or q != filters.digest():
+    if (not isinstance(after, int) or isinstance(after, bool) or not -1 <= after < 2**63
+            or q != filters.digest()):
         raise BadRequest("cursor belongs to a different query; start again without it",
                          code="bad_cursor")
     return after

@@ -79,6 +79,25 @@ def _ingest_sync(session: Session, items: list[Any], settings: Settings,
     return results
 
 
+async def _read_capped(request: Request, limit: int) -> bytes:
+    """The body, refused (413) as soon as it is known to pass ``limit`` bytes: from its
+    Content-Length before reading, or while reading a chunked upload that has none, so an
+    oversized envelope is never buffered whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ValidationFailed(f"envelope is {int(declared)} bytes; the limit is {limit}",
+                               code="too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ValidationFailed(f"envelope exceeds the limit of {limit} bytes",
+                                   code="too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 @router.post(
     "/envelopes",
     status_code=201,
@@ -99,10 +118,7 @@ async def ingest_one(
     session: Session = Depends(get_session),
     settings: Settings = Depends(get_settings_dep),
 ) -> Response:
-    body = await request.body()
-    if len(body) > settings.max_envelope_bytes:
-        raise ValidationFailed(f"envelope is {len(body)} bytes; the limit is "
-                               f"{settings.max_envelope_bytes}", code="too_large")
+    body = await _read_capped(request, settings.max_envelope_bytes)
     metrics.BATCH_SIZE.observe(1)
     results = await run_in_threadpool(_ingest_sync, session, [body], settings, False)
     _count(results)

@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from ledger.api.auth import require
 from ledger.api.deps import get_session, get_settings_dep
+from ledger.api.routing import StrictJsonRoute
 from ledger.api.schemas import (
     COMMON_RESPONSES,
     ApiKeyCreated,
@@ -31,7 +32,7 @@ from ledger.services import keys as key_service
 from ledger.services.apikeys import Principal
 from ledger.settings import Settings
 
-router = APIRouter(prefix="/v1", responses=COMMON_RESPONSES)
+router = APIRouter(prefix="/v1", responses=COMMON_RESPONSES, route_class=StrictJsonRoute)
 
 KeyIdPath = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="hex SHA-256 of the key")]
 ApiKeyIdPath = Annotated[str, Path(max_length=64, pattern=r"^[0-9a-fA-F-]+$")]

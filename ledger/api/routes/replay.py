@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 
 from ledger.api.auth import require
 from ledger.api.deps import get_session, get_settings_dep
+from ledger.api.routing import StrictJsonRoute
 from ledger.api.schemas import COMMON_RESPONSES, SAFE_TEXT
 from ledger.core.errors import ValidationFailed
 from ledger.db.models import (
@@ -41,7 +42,7 @@ from ledger.services import audit
 from ledger.services.apikeys import Principal
 from ledger.settings import Settings
 
-router = APIRouter(prefix="/v1", responses=COMMON_RESPONSES)
+router = APIRouter(prefix="/v1", responses=COMMON_RESPONSES, route_class=StrictJsonRoute)
 
 DisputeIdPath = Annotated[str, Path(max_length=64, pattern=r"^[0-9a-fA-F-]{1,64}$")]
 RequestIdStr = Annotated[str, Field(min_length=1, max_length=200,
