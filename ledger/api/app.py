@@ -86,6 +86,8 @@ class BodyLimitAndMetrics:
             declared_bytes = max(0, int(headers.get(b"content-length", b"0")))
         except ValueError:
             declared_bytes = 0
+        if b"content-length" not in headers and b"transfer-encoding" in headers:
+            declared_bytes = self.max_body  # a chunked body may grow to the limit: reserve it
         path = scope.get("raw_path") or scope.get("path", "").encode()
         if path not in self.UNSHED and (
                 self.inflight >= self.max_inflight
