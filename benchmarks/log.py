@@ -135,30 +135,33 @@ def main() -> None:
                              f"p50 {pct(lat, 50) * 1e3:.2f} ms",
                              f"p99 {pct(lat, 99) * 1e3:.2f} ms"])
 
-        # offline verification of a bundle of real envelopes
+        # offline verification of bundles of real signed envelopes, two sizes
         keys, producer = provision(url)
         settings = Settings(database_url=url, log_name=signer.origin)
-        with session_scope(engine) as s:
-            for start in range(0, args.bundle, 500):
-                items = [signed(statement(prompt_len=512, output_len=128), producer)
-                         for _ in range(min(500, args.bundle - start))]
-                assert all(r.status == 201 for r in ingest.ingest(s, items, settings))
-        integrate_all(engine, signer)
-        bundle = tmp / "bundle.jsonl"
         env = {**os.environ, "LEDGER_DATABASE_URL": url, "LEDGER_LOG_NAME": signer.origin}
-        subprocess.run([sys.executable, "-m", "ledger.cli.main", "export", "--out", str(bundle)],
-                       env=env, check=True, capture_output=True)
-        vkey = json.loads(bundle.read_bytes().split(b"\n", 1)[0])["log_keys"][0]
-        for jobs in (1, 0):
-            t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "ledger.cli.main", "verify", str(bundle),
-                            "--log-key", vkey, "--jobs", str(jobs)], env=env, check=True,
-                           capture_output=True)
-            el = time.perf_counter() - t
-            label = "1 process" if jobs == 1 else f"{os.cpu_count()} processes"
-            rows.append([f"offline verify, {args.bundle:,} envelopes (512/128 tokens), {label}",
-                         args.bundle / el, f"{bundle.stat().st_size / 1e6:.0f} MB bundle",
-                         "incl. start-up"])
+        for prompt_len, output_len, model in ((512, 128, "5a" * 32), (32, 8, "5b" * 32)):
+            with session_scope(engine) as s:
+                for start in range(0, args.bundle, 500):
+                    items = [signed(statement(prompt_len=prompt_len, output_len=output_len,
+                                              model_sha256=model), producer)
+                             for _ in range(min(500, args.bundle - start))]
+                    assert all(r.status == 201 for r in ingest.ingest(s, items, settings))
+            integrate_all(engine, signer)
+            bundle = tmp / f"bundle-{prompt_len}.jsonl"
+            subprocess.run([sys.executable, "-m", "ledger.cli.main", "export", "--out",
+                            str(bundle), "--model-sha256", model],
+                           env=env, check=True, capture_output=True)
+            vkey = json.loads(bundle.read_bytes().split(b"\n", 1)[0])["log_keys"][0]
+            for jobs in (1, 0):
+                t = time.perf_counter()
+                subprocess.run([sys.executable, "-m", "ledger.cli.main", "verify", str(bundle),
+                                "--log-key", vkey, "--jobs", str(jobs)], env=env, check=True,
+                               capture_output=True)
+                el = time.perf_counter() - t
+                label = "1 process" if jobs == 1 else f"{os.cpu_count()} processes"
+                rows.append([f"offline verify, {args.bundle:,} envelopes "
+                             f"({prompt_len}/{output_len} tokens), {label}", args.bundle / el,
+                             f"{bundle.stat().st_size / 1e6:.0f} MB bundle", "incl. start-up"])
         engine.dispose()
         del keys
     print()
