@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import uuid
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
@@ -155,7 +156,7 @@ def verdict_out(v: Verdict) -> dict[str, Any]:
             "request_id": v.request_id, "envelope_log_index": v.envelope_index,
             "outcome": v.outcome, "tier": v.tier, "worker_id": v.worker_id,
             "fingerprint_id": v.fingerprint_id, "details": v.details,
-            "created_at": v.created_at, "dsse": __import__("json").loads(bytes(v.dsse))}
+            "created_at": v.created_at, "dsse": json.loads(bytes(v.dsse))}
 
 
 @router.post("/disputes", status_code=201, tags=["disputes"],
