@@ -44,7 +44,24 @@ def run(engine: Engine, publisher: Publisher | None, settings: Settings,
         signer: Signer | None, *, interval_s: float = 2.0, wait_for_lock: bool = True,
         stop: threading.Event | None = None,
         on_tick: Callable[[dict[str, int]], None] | None = None) -> None:
+    """Tick until ``stop`` is set. A lost database connection (a restart, a network blip)
+    does not end the beat: it reconnects, takes the lock again and carries on."""
     stop = stop or threading.Event()
+    while not stop.is_set():
+        try:
+            _run_locked(engine, publisher, settings, signer, interval_s=interval_s,
+                        wait_for_lock=wait_for_lock, stop=stop, on_tick=on_tick)
+        except AlreadyRunning:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. the lock's connection was lost
+            log.warning("beat lost its database connection (%s); reconnecting", exc)
+            stop.wait(interval_s)
+
+
+def _run_locked(engine: Engine, publisher: Publisher | None, settings: Settings,
+                signer: Signer | None, *, interval_s: float, wait_for_lock: bool,
+                stop: threading.Event,
+                on_tick: Callable[[dict[str, int]], None] | None) -> None:
     with engine.connect() as lock_conn:
         got = lock_conn.execute(text("SELECT pg_try_advisory_lock(:k)"),
                                 {"k": BEAT_LOCK_KEY}).scalar_one()
@@ -57,15 +74,15 @@ def run(engine: Engine, publisher: Publisher | None, settings: Settings,
                 lock_conn.commit()
                 stop.wait(interval_s)
         lock_conn.commit()
-        try:
-            while not stop.is_set():
-                try:
-                    counts = tick(engine, publisher, settings, signer)
-                    if on_tick:
-                        on_tick(counts)
-                except Exception as exc:  # noqa: BLE001 - a blip must not stop the beat
-                    log.warning("beat tick failed: %s", exc)
-                stop.wait(interval_s)
-        finally:
-            lock_conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": BEAT_LOCK_KEY})
+        while not stop.is_set():
+            lock_conn.execute(text("SELECT 1"))  # the lock lives as long as this session
             lock_conn.commit()
+            try:
+                counts = tick(engine, publisher, settings, signer)
+                if on_tick:
+                    on_tick(counts)
+            except Exception as exc:  # noqa: BLE001 - a blip must not stop the beat
+                log.warning("beat tick failed: %s", exc)
+            stop.wait(interval_s)
+        lock_conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": BEAT_LOCK_KEY})
+        lock_conn.commit()
