@@ -63,6 +63,7 @@ class Tally:
         self.stored: list[dict[str, Any]] = []     # envelopes the API accepted, as sent
         self.created_envelopes = 0
         self.created_disputes = 0
+        self.dispute_ids: list[str] = []            # disputes the API returned (201 or 200)
 
     @property
     def total(self) -> int:
@@ -155,9 +156,13 @@ def make_workflow(api: ApiServer, tally: Tally) -> type[RuleBasedStateMachine]:
     session = requests.Session()
 
     ingest_case = schema["/v1/envelopes"]["POST"].as_strategy()
+    dispute_case = schema["/v1/disputes"]["POST"].as_strategy()
+    comment_case = schema["/v1/disputes/{dispute_id}/comments"]["POST"].as_strategy()
 
     class Workflow(schema.as_state_machine()):  # type: ignore[misc]
         ingested = 0
+        disputed = 0
+        commented = 0
 
         @precondition(lambda self: self.ingested < INGESTS_PER_RUN)
         @rule(target=Bundle("catch_all"), case=ingest_case)
@@ -166,6 +171,26 @@ def make_workflow(api: ApiServer, tally: Tally) -> type[RuleBasedStateMachine]:
             response waits to be followed): envelopes, and so proofs and disputes, come in
             every run, whatever the run started with."""
             self.ingested += 1
+            return self.step(case)
+
+        @precondition(lambda self: bool(tally.stored) and self.disputed < 2)
+        @rule(target=Bundle("catch_all"), case=dispute_case, pick=st.integers(0, 10**6))
+        def dispute_a_stored_envelope(self, case: Case, pick: int) -> StepResult | None:
+            """Links reach disputes only when a generated body names a stored request;
+            this rule makes sure every run can go deep (dispute -> comment -> resolve)."""
+            self.disputed += 1
+            stored = tally.stored[pick % len(tally.stored)]
+            case.body = {"request_id": _payload(stored)["predicate"]["request_id"],
+                         "reason": "stateful run", "priority": "normal"}
+            return self.step(case)
+
+        @precondition(lambda self: bool(tally.dispute_ids) and self.commented < 2)
+        @rule(target=Bundle("catch_all"), case=comment_case, pick=st.integers(0, 10**6))
+        def comment_on_a_dispute(self, case: Case, pick: int) -> StepResult | None:
+            self.commented += 1
+            case.path_parameters = {
+                "dispute_id": tally.dispute_ids[pick % len(tally.dispute_ids)]}
+            case.body = {"text": "stateful run comment"}
             return self.step(case)
 
         def _add_results_to_targets(self, targets: Any, results: Any) -> None:
@@ -196,8 +221,9 @@ def make_workflow(api: ApiServer, tally: Tally) -> type[RuleBasedStateMachine]:
                 tally.stored.append(case.body)
             elif operation == "POST /v1/envelopes/batch" and status == 200:
                 tally.created_envelopes += response.json()["created"]
-            elif operation == "POST /v1/disputes" and status == 201:
-                tally.created_disputes += 1
+            elif operation == "POST /v1/disputes" and status in (200, 201):
+                tally.created_disputes += status == 201
+                tally.dispute_ids.append(response.json()["id"])
             return response
 
         def validate_response(self, response: Any, case: Case,
