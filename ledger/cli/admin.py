@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import base64
 import os
+import shutil
 import tempfile
 from datetime import datetime
 from pathlib import Path
@@ -47,7 +49,9 @@ def serve_command(
     if database_url:
         os.environ["LEDGER_DATABASE_URL"] = database_url
     if workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="ledger-metrics-")
+        metrics_dir = tempfile.mkdtemp(prefix="ledger-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        atexit.register(shutil.rmtree, metrics_dir, ignore_errors=True)
     uvicorn.run("ledger.api.main:app", host=host, port=port, workers=workers,
                 log_level=log_level, access_log=False, timeout_graceful_shutdown=10)
 
