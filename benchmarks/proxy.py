@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import subprocess
@@ -39,37 +38,15 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks._common import machine, pct, scratch_database, table  # noqa: E402
+from tests.helpers import run_ledger  # noqa: E402
 
 
 @contextmanager
 def serve(args: list[str], port: int, health: str, log: Path,
           env: dict[str, str] | None = None) -> Iterator[str]:
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "ledger.cli.main", *args],
-                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                env={**os.environ, **(env or {})})
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 90
-            while True:
-                if proc.poll() is not None:
-                    raise SystemExit(f"{args[0]} exited: {log.read_text()[-2000:]}")
-                try:
-                    if httpx.get(base + health, timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"{args[0]} did not start: {log.read_text()[-2000:]}")
-                time.sleep(0.1)
-            yield base
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with run_ledger(args, port=port, health_path=health, log_path=log, env=env,
+                    timeout=90) as (base, _):
+        yield base
 
 
 def cases(max_tokens: int) -> dict[str, tuple[str, str, dict[str, Any] | None]]:

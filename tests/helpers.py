@@ -74,36 +74,52 @@ class ApiServer:
 
 
 @contextmanager
-def run_server(db_url: str, *, workers: int = 1, extra_env: dict[str, str] | None = None,
-               log_dir: Path | None = None) -> Iterator[ApiServer]:
-    port = free_port()
-    env = {**os.environ, "LEDGER_DATABASE_URL": db_url, **(extra_env or {})}
-    log_path = (log_dir or Path("/tmp")) / f"ledger-serve-{port}.log"
+def run_ledger(args: list[str], *, port: int, health_path: str, log_path: Path,
+               env: dict[str, str] | None = None,
+               timeout: float = 60.0) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Start ``python -m ledger.cli.main ARGS``, wait until ``GET health_path`` answers 200,
+    yield (base URL, process); stop it (terminate, then kill) on the way out."""
     log = log_path.open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ledger.cli.main", "serve", "--port", str(port),
-         "--workers", str(workers)],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    proc = subprocess.Popen([sys.executable, "-m", "ledger.cli.main", *args],
+                            env={**os.environ, **(env or {})}, stdout=log,
+                            stderr=subprocess.STDOUT, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + timeout
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited: {log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"{args[0]} exited: {log_path.read_text()[-3000:]}")
             try:
-                if httpx.get(base + "/healthz", timeout=1).status_code == 200:
+                if httpx.get(base + health_path, timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start: {log_path.read_text()[-3000:]}")
+                raise RuntimeError(f"{args[0]} did not start: {log_path.read_text()[-3000:]}")
             time.sleep(0.1)
-        yield ApiServer(base, proc, log_path=log_path)
+        yield base, proc
     finally:
+        stop_process(proc)
+        log.close()
+
+
+def stop_process(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
         proc.terminate()
         try:
             proc.wait(15)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        log.close()
+
+
+@contextmanager
+def run_server(db_url: str, *, workers: int = 1, extra_env: dict[str, str] | None = None,
+               log_dir: Path | None = None) -> Iterator[ApiServer]:
+    """`ledger serve` on a free port against ``db_url``."""
+    port = free_port()
+    log_path = (log_dir or Path("/tmp")) / f"ledger-serve-{port}.log"
+    with run_ledger(["serve", "--port", str(port), "--workers", str(workers)], port=port,
+                    health_path="/healthz", log_path=log_path,
+                    env={"LEDGER_DATABASE_URL": db_url, **(extra_env or {})}) as (base, proc):
+        yield ApiServer(base, proc, log_path=log_path)

@@ -12,9 +12,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,7 +25,7 @@ import pytest
 
 from ledger import artifacts
 from ledger.core.keys import private_pem
-from tests.helpers import REPO, ApiServer, free_port
+from tests.helpers import REPO, ApiServer, free_port, run_ledger
 
 TINY_DEMO_DIR = REPO / "workers" / "engine" / "tiny_demo"
 
@@ -46,38 +44,9 @@ class Process:
 def run_process(args: list[str], *, health_path: str, port: int, log_path: Path,
                 env: dict[str, str] | None = None, timeout: float = 60.0) -> Iterator[Process]:
     """Start ``python -m ledger.cli.main ARGS`` and wait for ``GET health_path`` to answer."""
-    log = log_path.open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "ledger.cli.main", *args],
-                            env={**os.environ, **(env or {})}, stdout=log,
-                            stderr=subprocess.STDOUT, cwd=REPO)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{args[0]} exited: {log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(base + health_path, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{args[0]} did not start: {log_path.read_text()[-3000:]}")
-            time.sleep(0.1)
+    with run_ledger(args, port=port, health_path=health_path, log_path=log_path, env=env,
+                    timeout=timeout) as (base, proc):
         yield Process(base, proc, log_path)
-    finally:
-        stop_process(proc)
-        log.close()
-
-
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.fixture(scope="session")
