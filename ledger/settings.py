@@ -72,6 +72,10 @@ class Settings(BaseSettings):
     integrate_interval_ms: int = Field(default=200, ge=1,
                                        description="Longest wait before pending entries "
                                        "are integrated.")
+    trust_policy_file: Path | None = Field(
+        default=None, description="Trust policy (TOML, see ledger.core.trust): the log, "
+        "service and witness keys that audit, verify and workers believe. Kept outside the "
+        "database on purpose.")
     checkpoint_sink_dir: Path | None = Field(
         default=None, description="Directory that receives a write-once copy of every "
         "checkpoint (outside the database).")
