@@ -91,7 +91,15 @@ def keys_register(
     database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
 ) -> None:
     """Register a public key with the ledger (admin)."""
-    raw = _public_from_file(key_file)
+    from ledger.core.errors import LedgerError
+
+    try:
+        raw = _public_from_file(key_file)
+    except (LedgerError, OSError, UnicodeDecodeError) as exc:
+        reason = exc.code if isinstance(exc, LedgerError) else "unreadable"
+        console.print(f"refused: {reason}: {exc}", style="red", markup=False,
+                      highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
     settings = settings_with(database_url)
     if via_api:
         if settings.api_key is None:

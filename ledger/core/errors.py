@@ -120,3 +120,39 @@ class CheckpointOriginError(CheckpointError):
     """A checkpoint from another log: its origin line is not the configured log name."""
 
     code = "wrong_checkpoint_origin"
+
+
+# --- strict Ed25519 (ledger.core.ed25519_strict) ---
+
+
+class WeakKeyError(KeyError_):
+    """A public key of small order (anyone can "sign" for it) or with a small-order
+    component."""
+
+    code = "weak_public_key"
+
+
+class NonCanonicalKeyError(KeyError_):
+    """A public key that is not the one canonical encoding of its point (y >= p, or x = 0
+    with the sign bit set), or not 32 bytes."""
+
+    code = "non_canonical_public_key"
+
+
+class OffCurveKeyError(KeyError_):
+    """32 bytes that encode no point of Ed25519 (refused at registration)."""
+
+    code = "public_key_not_on_curve"
+
+
+class NonCanonicalSignatureError(SignatureError):
+    """A signature with S >= L or with an R that is not canonically encoded: another
+    spelling of a signature, refused so each signature has exactly one valid encoding."""
+
+    code = "non_canonical_signature"
+
+
+class WeakSignatureError(SignatureError):
+    """A signature whose R is a small-order point."""
+
+    code = "weak_signature"

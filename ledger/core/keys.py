@@ -2,6 +2,10 @@
 
 A key ID is the lowercase hex SHA-256 of the 32-byte raw Ed25519 public key. Producers put
 it in each DSSE signature's ``keyid``; the ledger looks keys up by it.
+
+:func:`verify_ed25519` is the one Ed25519 verification of the ledger (DSSE envelopes,
+verdicts, dispute events, signed notes and checkpoints, audit, offline bundles): it runs
+the strict checks of :mod:`ledger.core.ed25519_strict` before OpenSSL's verification.
 """
 
 from __future__ import annotations
@@ -15,6 +19,11 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from ledger.core.ed25519_strict import (
+    check_public_key,
+    check_public_key_on_registration,
+    check_signature,
+)
 from ledger.core.errors import FormatError, SignatureError
 
 
@@ -58,7 +67,18 @@ def load_private_pem(data: bytes) -> Ed25519PrivateKey:
 
 
 def parse_public_key(text: str) -> bytes:
-    """Raw 32-byte public key from PEM (SubjectPublicKeyInfo) or base64 of the raw bytes."""
+    """Raw 32-byte public key from PEM (SubjectPublicKeyInfo) or base64 of the raw bytes.
+
+    Refuses (:class:`ledger.core.errors.KeyError_` subclasses) small-order, mixed-order,
+    off-curve and non-canonically encoded keys:
+    :func:`ledger.core.ed25519_strict.check_public_key_on_registration`.
+    """
+    raw = _parse_public_key(text)
+    check_public_key_on_registration(raw)
+    return raw
+
+
+def _parse_public_key(text: str) -> bytes:
     text = text.strip()
     if text.startswith("-----BEGIN"):
         try:
@@ -83,7 +103,17 @@ def _public_key(public_key_raw: bytes) -> Ed25519PublicKey:
 
 
 def verify_ed25519(public_key_raw: bytes, message: bytes, signature: bytes) -> None:
-    """Return None when ``signature`` is valid, else raise :class:`SignatureError`."""
+    """Return None when ``signature`` is valid, else raise.
+
+    Raises :class:`SignatureError` (subclasses ``NonCanonicalSignatureError``,
+    ``WeakSignatureError``) for a bad signature and :class:`ledger.core.errors.KeyError_`
+    (``WeakKeyError``, ``NonCanonicalKeyError``) for a small-order or non-canonical key:
+    the strict rules of :mod:`ledger.core.ed25519_strict`, then OpenSSL's verification.
+    """
+    if len(public_key_raw) != 32:
+        raise SignatureError(f"unusable public key: {len(public_key_raw)} bytes, not 32")
+    check_public_key(public_key_raw)
+    check_signature(signature)
     try:
         _public_key(public_key_raw).verify(signature, message)
     except InvalidSignature as exc:

@@ -25,18 +25,22 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from ledger.core.errors import (
     CheckpointError,
     CheckpointOriginError,
+    KeyError_,
     MalformedCheckpointError,
     MalformedNoteError,
+    NonCanonicalSignatureError,
     NoteSignatureError,
     UnverifiedNoteError,
+    VerificationError,
+    WeakSignatureError,
 )
+from ledger.core.keys import verify_ed25519
 from ledger.core.merkle import HASH_SIZE, MAX_TREE_SIZE
 
 SIGNATURE_TYPE_ED25519 = 0x01
@@ -112,14 +116,17 @@ class NoteVerifier:
         return format_verifier_key(self.name, self.public_key)
 
     def verify(self, message: bytes, signature: bytes) -> None:
-        """Check one Ed25519 signature over ``message``; raises :class:`NoteSignatureError`."""
+        """Check one Ed25519 signature over ``message`` with the ledger's strict rules
+        (:func:`ledger.core.keys.verify_ed25519`); raises :class:`NoteSignatureError`,
+        whose ``code`` names a weak key or non-canonical signature when that is why."""
         try:
-            if len(signature) != 64:
-                raise InvalidSignature
-            Ed25519PublicKey.from_public_bytes(self.public_key).verify(signature, message)
-        except (InvalidSignature, ValueError) as exc:
+            verify_ed25519(self.public_key, message, signature)
+        except VerificationError as exc:
+            strict = isinstance(exc, KeyError_ | NonCanonicalSignatureError | WeakSignatureError)
             raise NoteSignatureError(
                 f"invalid signature for key {self.name}+{self.key_id:08x}"
+                + (f": {exc.message}" if strict else ""),
+                code=exc.code if strict else None,
             ) from exc
 
 

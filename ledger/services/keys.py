@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ledger.core.ed25519_strict import check_public_key_on_registration
 from ledger.core.errors import KeyError_
 from ledger.core.keys import key_id
 from ledger.db.models import SigningKey
@@ -20,8 +21,10 @@ PURPOSES = ("producer", "worker", "log", "ledger")
 def register_key(session: Session, *, public_key: bytes, purpose: str, name: str,
                  not_before: datetime | None = None,
                  not_after: datetime | None = None) -> tuple[SigningKey, bool]:
-    """Register a public key; (row, created). The same registration again is a no-op."""
+    """Register a public key; (row, created). The same registration again is a no-op.
+    Weak (small- or mixed-order), off-curve and non-canonical keys raise ``KeyError_``."""
     kid = key_id(public_key)
+    check_public_key_on_registration(public_key)
     existing = session.get(SigningKey, kid)
     if existing is not None:
         same = (existing.purpose == purpose and existing.name == name
