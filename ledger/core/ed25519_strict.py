@@ -8,8 +8,9 @@ libraries also disagree about non-canonical encodings ("Taming the many EdDSAs",
 Chalkias, Garillot, Nikolaenko, SSR 2020; https://eprint.iacr.org/2020/1244), so a signature
 one verifier accepts another may refuse.
 
-Our policy (the same as libsodium's ``crypto_sign_verify_detached`` and ed25519-dalek's
-``verify_strict``), stricter than RFC 8032 cofactored verification:
+Our policy, stricter than RFC 8032 cofactored verification (on the 12 speccheck cases it
+accepts exactly what libsodium's ``crypto_sign_verify_detached`` and ed25519-dalek's
+``verify_strict`` accept: case 3 only):
 
 - a public key or an ``R`` whose encoding is one of the small-order points (the eight
   torsion points, with either sign bit, and the non-canonical ``y + p`` spellings) is

@@ -97,7 +97,7 @@ def test_blocklist_is_exactly_every_encoding_of_the_eight_torsion_points() -> No
                 expected.add((spelled | ((x & 1) << 255)).to_bytes(32, "little"))
                 if x == 0:  # "negative zero": x = 0 with the sign bit set
                     expected.add((spelled | (1 << 255)).to_bytes(32, "little"))
-    # y = 0 (order 4) has x = +-i: both signs are canonical points already
+    # (y = 0, the two points of order 4, has x = +-i: both sign bits are real points)
     assert frozenset(expected) == strict.SMALL_ORDER_ENCODINGS
     assert len(strict.SMALL_ORDER_ENCODINGS) == 14
     # the two order-8 encodings libsodium's blocklist names
