@@ -86,7 +86,8 @@ def serve_command(
 
 @witness_app.command("submit")
 def submit_command(
-    once: bool = typer.Option(False, help="One round per witness, then exit."),
+    once: bool = typer.Option(False, help="One round per witness, then exit (1 if any "
+                                          "failed)."),
     database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
 ) -> None:
     """Push the newest checkpoint to every witness in LEDGER_WITNESSES and store their
@@ -105,8 +106,11 @@ def submit_command(
         raise typer.Exit(2)
     try:
         if once:
-            for status in loop.run_once():
-                out.print(status, highlight=False)
+            rounds = loop.run_once()
+            for status in rounds:
+                out.print(str(status), highlight=False, soft_wrap=True)
+            if any(r.failed for r in rounds):
+                raise typer.Exit(1)
             return
         loop.start()
         while True:

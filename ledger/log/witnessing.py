@@ -250,7 +250,8 @@ class Submitter:
     def stop(self, timeout: float = 10) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout)
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout)
         self.http.close()
 
     def _run(self) -> None:
