@@ -29,7 +29,7 @@ def vkey(name: str, public_key: bytes) -> str:
 
 
 def parse_vkey(text: str) -> tuple[str, bytes]:
-    name, hex_id, b64 = text.split("+")
+    name, hex_id, b64 = text.split("+", 2)  # base64 may itself contain "+"
     raw = base64.b64decode(b64)
     assert raw[0] == 4 and len(raw) == 33, "not an Ed25519 cosignature key"
     assert bytes.fromhex(hex_id) == key_id(name, raw[1:]), "key ID mismatch"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,9 +14,13 @@ import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from ledger.core.cosignature import generate_witness_key, parse_witness_signer_key
 from ledger.core.keys import public_raw
 from ledger.core.merkle import consistency_proof, leaf_hash, root_hash
-from ledger.core.note import Checkpoint, format_verifier_key, sign_checkpoint
+from ledger.core.note import Checkpoint, NoteVerifier, format_verifier_key, sign_checkpoint
+from ledger.witness.protocol import format_add_checkpoint
+from ledger.witness.service import SizeConflict, Witness, WitnessConfig
+from ledger.witness.state import LogState, WitnessState
 from tests.witness import spec_cosig
 from tests.witness.helpers import WitnessProcess, make_witness_key, run_witness
 
@@ -133,3 +138,40 @@ def test_concurrent_requests_cannot_both_advance_from_one_size(
     assert state["size"] in range(20, 60, 5)
     r = witness.add(8, [], note(tree[:8]))
     assert (r.status_code, r.text) == (409, f"{state['size']}\n")
+
+
+class SlowDiskState(WitnessState):
+    """The real state file, on a disk whose writes take a while: the window in which an
+    unserialised witness would let a second request read the old size."""
+
+    def _write(self, logs: dict[str, LogState]) -> None:
+        time.sleep(0.2)
+        super()._write(logs)
+
+
+def test_check_and_update_are_atomic_even_on_a_slow_disk(tmp_path: Path) -> None:
+    signer = parse_witness_signer_key(generate_witness_key("witness.test/slow")[0])
+    witness = Witness(WitnessConfig.from_keys(signer, [NoteVerifier.from_public_key(
+        ORIGIN, public_raw(LOG_KEY))]), SlowDiskState(tmp_path / "state.json"))
+    tree = leaves(64)
+    witness.add_checkpoint(format_add_checkpoint(0, [], note(tree[:8])))
+    outcomes: list[str] = []
+    barrier = threading.Barrier(6)
+
+    def submit(size: int) -> None:
+        body = format_add_checkpoint(8, consistency_proof(8, size, tree), note(tree[:size]))
+        barrier.wait()
+        try:
+            witness.add_checkpoint(body)
+            outcomes.append("cosigned")
+        except SizeConflict:
+            outcomes.append("409")
+
+    threads = [threading.Thread(target=submit, args=(s,)) for s in (20, 25, 30, 35, 40, 45)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["409"] * 5 + ["cosigned"]
+    # and a second process on the same file takes its turn too (flock): it sees the update
+    assert WitnessState(tmp_path / "state.json").get(ORIGIN).size in (20, 25, 30, 35, 40, 45)

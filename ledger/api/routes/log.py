@@ -172,7 +172,7 @@ def envelope_proof(
     _: Principal = Depends(require("envelopes:read")),
     session: Session = Depends(get_session),
 ) -> dict[str, Any]:
-    _, fields = envelope_service.get_envelope(session, request_id)
+    _stored, fields = envelope_service.get_envelope(session, request_id)
     receipt = proofs.inclusion(session, fields["log_index"], tree_size)
     return {"request_id": request_id, **receipt.to_json()}
 
