@@ -185,6 +185,9 @@ def test_witnessed_log_lifecycle(setup: Setup) -> None:
                        "the tarpit's timeout to show")
         assert st[W1]["last_error"] is None and st[W1]["verifier_key"] == s.witness_vkey
         assert st[TARPIT]["cosigned_size"] is None
+        schema = httpx.get(s.api.base_url + "/openapi.json", timeout=10).json()
+        route = schema["paths"]["/v1/log/witnesses"]["get"]["responses"]["200"]
+        assert route["content"]["application/json"]["schema"]["$ref"].endswith("/WitnessesOut")
         assert "Timeout" in st[TARPIT]["last_error"], st[TARPIT]
 
         # --- the served checkpoint carries the cosignature ----------------------------

@@ -94,6 +94,10 @@ def test_cosigns_consistent_checkpoints_and_refuses_what_the_spec_refuses(
     assert httpx.post(witness.base_url + "/add-checkpoint", content=b"nonsense",
                       timeout=10).status_code == 400
     assert witness.add(41, [], n40).status_code == 400  # old above the checkpoint size
+    # the validly signed refusals were kept as evidence of misbehaviour
+    evidence = sorted(witness.state.with_name(witness.state.name + ".evidence").iterdir())
+    assert len(evidence) == 3  # the fork, the rewrite, the bad proof
+    assert note(fork) in evidence[0].read_bytes() and note(rewritten) in evidence[1].read_bytes()
 
     info = httpx.get(witness.base_url + "/").json()
     assert info["logs"] == [{"origin": ORIGIN, "log_keys": [format_verifier_key(
