@@ -6,11 +6,14 @@ e.g. ``LEDGER_DATABASE_URL``, ``LEDGER_BROKER_URL``.
 
 from __future__ import annotations
 
+import json
+import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
@@ -76,6 +79,35 @@ class Settings(BaseSettings):
         default=None, description="Trust policy (TOML, see ledger.core.trust): the log, "
         "service and witness keys that audit, verify and workers believe. Kept outside the "
         "database on purpose.")
+    # --- witnesses (C2SP tlog-witness; see docs/transparency-log.md, "Witnesses") ------
+    witnesses: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Witnesses the integrator submits checkpoints to, each as '<url> "
+        "<witness vkey>' (the URL is the witness's submission prefix, the vkey its "
+        "cosignature/v1 key). In the environment: pairs separated by commas or newlines, "
+        "or a JSON list of strings.")
+    witness_timeout_s: float = Field(default=5.0, gt=0, le=300,
+                                     description="Connect and read timeout per request.")
+    witness_interval_ms: int = Field(default=500, ge=10,
+                                     description="How often each witness's submitter looks "
+                                     "for a newer checkpoint.")
+    witness_max_backoff_s: float = Field(default=60.0, gt=0,
+                                         description="Longest wait between retries to a "
+                                         "witness that keeps failing.")
+    witness_max_lag_s: float = Field(
+        default=3600.0, gt=0, description="`ledger audit --trust` with a witness quorum: "
+        "no checkpoint may wait longer than this for a newer one that reaches quorum.")
+
+    @field_validator("witnesses", mode="before")
+    @classmethod
+    def _split_witnesses(cls, value: object) -> object:
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [p.strip() for p in re.split(r"[,\n]", text) if p.strip()]
+        return value
+
     checkpoint_sink_dir: Path | None = Field(
         default=None, description="Directory that receives a write-once copy of every "
         "checkpoint (outside the database).")

@@ -394,3 +394,32 @@ class ReverificationRun(Base):
               text("(details ->> 'model_sha256')"), unique=True,
               postgresql_where=text("kind = 'gate'")),
     )
+
+
+class CheckpointCosignature(Base):
+    """A witness's cosignature (C2SP tlog-cosignature line) on a stored checkpoint,
+    verified against the witness's configured key before it was stored (append-only)."""
+
+    __tablename__ = "checkpoint_cosignatures"
+    tree_size: Mapped[int] = mapped_column(BigInteger, ForeignKey("checkpoints.tree_size"),
+                                           primary_key=True, autoincrement=False)
+    witness_name: Mapped[str] = mapped_column(Text, primary_key=True)
+    key_id: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    timestamp: Mapped[int] = mapped_column(BigInteger, nullable=False)
+    signature: Mapped[str] = mapped_column(Text, nullable=False)
+    """The whole signature line, without its newline."""
+    created_at: Mapped[datetime] = _now()
+
+
+class WitnessStatus(Base):
+    """What the log knows of each configured witness (mutable; informational: trust rests
+    on the cosignatures, never on this row)."""
+
+    __tablename__ = "witness_status"
+    witness_name: Mapped[str] = mapped_column(Text, primary_key=True)
+    url: Mapped[str] = mapped_column(Text, nullable=False)
+    last_size: Mapped[int | None] = mapped_column(BigInteger)
+    """The size the witness last said it cosigned (from a 200 or a 409)."""
+    last_ok_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    last_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sqlalchemy import Engine
 
@@ -27,6 +28,10 @@ from ledger.db.session import session_scope
 from ledger.log.signer import LogSigner
 from ledger.log.sink import CheckpointSink
 from ledger.log.store import PgTileReader, write_tiles
+
+if TYPE_CHECKING:
+    from ledger.log.witnessing import WitnessLoop
+    from ledger.settings import Settings
 
 log = logging.getLogger("ledger.integrator")
 
@@ -105,11 +110,21 @@ def integrate_all(engine: Engine, signer: LogSigner, *, max_entries: int = 20_00
 
 class IntegratorThread:
     """Runs integration in the background: whenever ``max_entries`` are pending, or
-    entries have waited ``interval_ms``."""
+    entries have waited ``interval_ms``.
+
+    With witnesses configured (``LEDGER_WITNESSES``, read from ``settings`` or the global
+    settings) it also runs a :class:`ledger.log.witnessing.WitnessLoop`: one thread per
+    witness, woken after each checkpoint, so a slow witness never holds integration up."""
 
     def __init__(self, engine: Engine, signer: LogSigner, *, max_entries: int,
                  interval_ms: int, sink: CheckpointSink | None = None,
-                 on_error: Callable[[Exception], None] | None = None) -> None:
+                 on_error: Callable[[Exception], None] | None = None,
+                 settings: Settings | None = None) -> None:
+        from ledger.log.witnessing import WitnessLoop
+        from ledger.settings import get_settings
+
+        self.witnesses: WitnessLoop | None = WitnessLoop.from_settings(
+            settings or get_settings(), engine)
         self.engine = engine
         self.signer = signer
         self.max_entries = max_entries
@@ -122,6 +137,8 @@ class IntegratorThread:
 
     def start(self) -> None:
         self._thread.start()
+        if self.witnesses is not None:
+            self.witnesses.start()
 
     def wake(self) -> None:
         self._wake.set()
@@ -130,6 +147,8 @@ class IntegratorThread:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        if self.witnesses is not None:
+            self.witnesses.stop()
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -137,7 +156,8 @@ class IntegratorThread:
                 while not self._stop.is_set() and integrate_once(
                         self.engine, self.signer, max_entries=self.max_entries,
                         sink=self.sink) is not None:
-                    pass
+                    if self.witnesses is not None:
+                        self.witnesses.wake()
             except Exception as exc:  # noqa: BLE001 - keep integrating after DB outages
                 log.warning("integration failed: %s", exc)
                 if self.on_error:

@@ -18,6 +18,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
 from ledger.api.auth import require
@@ -27,7 +28,7 @@ from ledger.core.errors import ValidationFailed
 from ledger.core.note import format_verifier_key
 from ledger.core.tiles import EntryBundle, Tile, encode_entry_bundle, parse_tile_path, tile_width
 from ledger.errors import NotFound
-from ledger.log import proofs
+from ledger.log import proofs, witnessing
 from ledger.log.export import Selection, bundle_lines
 from ledger.log.store import PgTileReader, entries, latest_checkpoint
 from ledger.services import audit
@@ -57,11 +58,48 @@ def _integrated_size(cur: Any) -> int:
             summary="The latest signed checkpoint (C2SP tlog-checkpoint signed note)",
             responses={200: {"content": {"text/plain; charset=utf-8": {}}}})
 def tlog_checkpoint(session: Session = Depends(get_session)) -> Response:
+    """The log's signature first, then the witnesses' cosignatures (C2SP tlog-cosignature)
+    stored for this checkpoint: readers that know only the log key ignore them."""
     with _cursor(session) as cur:
         cp = latest_checkpoint(cur)
     if cp is None:
         raise proofs.NotYetIntegrated("the log has no checkpoint yet")
-    return Response(cp.note, media_type="text/plain; charset=utf-8", headers=NO_CACHE)
+    note = witnessing.cosigned_note(session, cp.tree_size)
+    return Response(note, media_type="text/plain; charset=utf-8", headers=NO_CACHE)
+
+
+class WitnessOut(BaseModel):
+    name: str = Field(description="The witness's key name")
+    url: str = Field(description="Its submission prefix (POST <url>/add-checkpoint)")
+    verifier_key: str | None = Field(
+        description="Its cosignature/v1 verifier key, when this process is configured with it")
+    last_size: int | None = Field(description="The size it last said it had cosigned")
+    cosigned_size: int | None = Field(
+        description="The largest checkpoint with a stored cosignature by it")
+    last_ok_at: datetime | None
+    last_attempt_at: datetime | None
+    last_error: str | None = Field(description="Why the last attempt failed (null after a "
+                                               "success)")
+
+
+class WitnessesOut(BaseModel):
+    tree_size: int | None = Field(description="The newest checkpoint's size")
+    witnesses: list[WitnessOut]
+
+
+@router.get("/v1/log/witnesses", tags=["log"], response_model=WitnessesOut,
+            summary="The witnesses this log submits checkpoints to, and how each is doing")
+def log_witnesses(request: Request, session: Session = Depends(get_session)) -> WitnessesOut:
+    with _cursor(session) as cur:
+        cp = latest_checkpoint(cur)
+    keys = {e.name: e.key.verifier_key
+            for e in witnessing.witness_endpoints(request.app.state.settings)}
+    return WitnessesOut(tree_size=cp.tree_size if cp else None, witnesses=[
+        WitnessOut(name=v.name, url=v.url, verifier_key=keys.get(v.name),
+                   last_size=v.last_size, cosigned_size=v.cosigned_size,
+                   last_ok_at=v.last_ok_at, last_attempt_at=v.last_attempt_at,
+                   last_error=v.last_error)
+        for v in witnessing.witness_views(session)])
 
 
 @router.get("/log/tile/{path:path}", tags=["tlog-tiles"], response_class=Response,
@@ -134,7 +172,7 @@ def envelope_proof(
     _: Principal = Depends(require("envelopes:read")),
     session: Session = Depends(get_session),
 ) -> dict[str, Any]:
-    _, fields = envelope_service.get_envelope(session, request_id)
+    _stored, fields = envelope_service.get_envelope(session, request_id)
     receipt = proofs.inclusion(session, fields["log_index"], tree_size)
     return {"request_id": request_id, **receipt.to_json()}
 
