@@ -28,11 +28,11 @@ import binascii
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ledger.core.errors import CheckpointError, LedgerError, MalformedNoteError
+from ledger.core.errors import CheckpointError, LedgerError, MalformedNoteError, SignatureError
+from ledger.core.keys import verify_ed25519
 from ledger.core.note import (
     MAX_NOTE_SIZE,
     MAX_SIGNATURES,
@@ -108,8 +108,8 @@ class Cosignature:
                                    f"by the key {key.name}+{key.key_id:08x}")
         message = cosignature_message(checkpoint_text, self.timestamp)
         try:
-            Ed25519PublicKey.from_public_bytes(key.public_key).verify(self.signature, message)
-        except (InvalidSignature, ValueError) as exc:
+            verify_ed25519(key.public_key, message, self.signature)
+        except SignatureError as exc:
             raise CosignatureError(f"invalid cosignature by witness {key.name}+"
                                    f"{key.key_id:08x}") from exc
 
