@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import httpx
 import typer
@@ -79,6 +79,18 @@ def _public_from_file(path: Path) -> bytes:
     return corekeys.parse_public_key(data.decode())
 
 
+def _registry_signer(settings: Any) -> Any:
+    """The service key (LEDGER_SERVICE_KEY_FILE) that signs registry leaves, or None with a
+    warning: a change made without it is reported by `ledger audit`."""
+    from ledger.replay.records import Signer
+
+    signer = Signer.from_file(settings.service_key_file, "ledger", "ledger-service")
+    if signer is None:
+        console.print("[yellow]LEDGER_SERVICE_KEY_FILE is not set: the change is not a "
+                      "signed registry leaf, and `ledger audit` will report it[/yellow]")
+    return signer
+
+
 @keys_app.command("register")
 def keys_register(
     key_file: Annotated[Path, typer.Argument(help="Public key (PEM/base64) or private key PEM.")],
@@ -113,11 +125,15 @@ def keys_register(
     from ledger.services import keys as key_service
     from ledger.services.apikeys import Principal
 
+    signer = _registry_signer(settings)
     engine = make_engine(settings)
     with session_scope(engine) as session:
+        if signer is not None:
+            signer.ensure_registered(session)
         row, created = key_service.register_key(session, public_key=raw, purpose=purpose,
                                                 name=name, not_before=not_before,
-                                                not_after=not_after)
+                                                not_after=not_after, signer=signer,
+                                                actor=LOCAL_ADMIN[1])
         if created:
             audit.record(session, Principal(*LOCAL_ADMIN), "key.register", row.keyid,
                          purpose=purpose, name=name)
@@ -136,9 +152,13 @@ def keys_revoke(keyid: str, reason: str = typer.Option(..., help="Why (kept in t
     from ledger.services import keys as key_service
     from ledger.services.apikeys import Principal
 
-    engine = make_engine(settings_with(database_url))
+    settings = settings_with(database_url)
+    signer = _registry_signer(settings)
+    engine = make_engine(settings)
     with session_scope(engine) as session:
-        key_service.revoke_key(session, keyid, reason)
+        if signer is not None:
+            signer.ensure_registered(session)
+        key_service.revoke_key(session, keyid, reason, signer=signer, actor=LOCAL_ADMIN[1])
         audit.record(session, Principal(*LOCAL_ADMIN), "key.revoke", keyid, reason=reason)
     engine.dispose()
     console.print(f"[yellow]revoked {keyid}[/yellow]")
@@ -160,11 +180,14 @@ def apikey_create(
         console.print(f"[red]role must be one of {', '.join(ROLES)}[/red]")
         raise typer.Exit(2)
     settings = settings_with(database_url)
+    signer = _registry_signer(settings)
     engine = make_engine(settings)
     with session_scope(engine) as session:
+        if signer is not None:
+            signer.ensure_registered(session)
         row, secret = create_api_key(session, name=name, role=role,
                                      pepper=settings.api_key_pepper.get_secret_value(),
-                                     created_by="local-cli")
+                                     created_by="local-cli", signer=signer)
         audit.record(session, Principal(*LOCAL_ADMIN), "api_key.create", str(row.id),
                      name=name, role=role)
     engine.dispose()

@@ -1,10 +1,18 @@
-"""Signing keys the ledger trusts: register, revoke, look up for verification."""
+"""Signing keys the ledger trusts: register, revoke, look up for verification.
+
+With the ledger's service key (``signer``), every registration and revocation also appends
+a signed ``admin_event`` leaf in the same transaction (:mod:`ledger.log.registry`): the
+registry leaves, not the table, are what ``ledger audit``, ``ledger verify --trust`` and
+the replay worker believe. ``signer=None`` changes only the table (test provisioning);
+the audit reports such rows.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -14,13 +22,18 @@ from ledger.core.keys import key_id
 from ledger.db.models import SigningKey
 from ledger.errors import Conflict, NotFound
 
+if TYPE_CHECKING:
+    from ledger.replay.records import Signer
+
 PURPOSES = ("producer", "worker", "log", "ledger")
 
 
 def register_key(session: Session, *, public_key: bytes, purpose: str, name: str,
                  not_before: datetime | None = None,
-                 not_after: datetime | None = None) -> tuple[SigningKey, bool]:
-    """Register a public key; (row, created). The same registration again is a no-op."""
+                 not_after: datetime | None = None, signer: Signer | None = None,
+                 actor: str = "ledger") -> tuple[SigningKey, bool]:
+    """Register a public key; (row, created). The same registration again is a no-op.
+    With ``signer`` (the service key) a new registration is also a registry leaf."""
     kid = key_id(public_key)
     existing = session.get(SigningKey, kid)
     if existing is not None:
@@ -38,10 +51,16 @@ def register_key(session: Session, *, public_key: bytes, purpose: str, name: str
     session.add(row)
     session.flush()
     session.refresh(row)
+    if signer is not None:
+        from ledger.log.registry import append_admin_event, key_event
+
+        append_admin_event(session, signer, kind="signing_key.registered", actor=actor,
+                           key=key_event(row))
     return row, True
 
 
-def revoke_key(session: Session, keyid: str, reason: str) -> SigningKey:
+def revoke_key(session: Session, keyid: str, reason: str, *, signer: Signer | None = None,
+               actor: str = "ledger") -> SigningKey:
     row = session.get(SigningKey, keyid, with_for_update=True)
     if row is None:
         raise NotFound(f"no signing key {keyid}")
@@ -50,6 +69,11 @@ def revoke_key(session: Session, keyid: str, reason: str) -> SigningKey:
         row.revoked_at = datetime.now(UTC)
         row.revoked_reason = reason
         session.flush()
+        if signer is not None:
+            from ledger.log.registry import append_admin_event, key_event
+
+            append_admin_event(session, signer, kind="signing_key.revoked", actor=actor,
+                               key=key_event(row))
     return row
 
 
