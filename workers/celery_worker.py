@@ -35,8 +35,13 @@ def build_worker(settings: Settings, *, models: list[str], engine_name: str, dev
                           dtype=dtype, max_batch=max_batch, signer=signer, trust=trust,
                           insecure_dev=insecure_dev)
     if register_key:
+        # a registry leaf when the service key is at hand (otherwise `ledger audit`
+        # reports the row, and bundles verified with a policy do not believe the key)
+        service = Signer.from_file(settings.service_key_file, "ledger", "ledger-service")
         with session_scope(db) as session:
-            signer.ensure_registered(session)
+            if service is not None:
+                service.ensure_registered(session)
+            signer.ensure_registered(session, service)
     return worker
 
 

@@ -40,9 +40,14 @@ def integrate_command(
     if signer is None:
         console.print("[red]set LEDGER_LOG_KEY_FILE to the log's private key (PEM)[/red]")
         raise typer.Exit(2)
+    from ledger.replay.records import Signer
+
+    service = Signer.from_file(settings.service_key_file, "ledger", "ledger-service")
     engine = make_engine(settings, pool_size=1)
     with session_scope(engine) as session:
-        signer.ensure_registered(session)
+        if service is not None:  # the log key's registration is then a registry leaf
+            service.ensure_registered(session)
+        signer.ensure_registered(session, service)
     sink = sink_from_settings(settings.checkpoint_sink_dir)
     while True:
         done = integrate_all(engine, signer, max_entries=settings.integrate_max_entries,
