@@ -164,6 +164,35 @@ def keys_revoke(keyid: str, reason: str = typer.Option(..., help="Why (kept in t
     console.print(f"[yellow]revoked {keyid}[/yellow]")
 
 
+@keys_app.command("attest")
+def keys_attest(keyids: Annotated[list[str], typer.Argument(help="Key IDs (hex SHA-256).")],
+                database_url: Optional[str] = DatabaseUrlOption) -> None:  # noqa: UP045
+    """Vouch for existing key rows that have no registry leaf (keys registered before the
+    upgrade that added them): appends their registration (and revocation) leaves, signed
+    with LEDGER_SERVICE_KEY_FILE. Check each row first: attesting is vouching."""
+    from ledger.db.session import make_engine, session_scope
+    from ledger.replay.records import Signer
+    from ledger.services import audit
+    from ledger.services import keys as key_service
+    from ledger.services.apikeys import Principal
+
+    settings = settings_with(database_url)
+    signer = Signer.from_file(settings.service_key_file, "ledger", "ledger-service")
+    if signer is None:
+        console.print("[red]set LEDGER_SERVICE_KEY_FILE: attesting signs registry "
+                      "leaves[/red]")
+        raise typer.Exit(2)
+    engine = make_engine(settings)
+    with session_scope(engine) as session:
+        signer.ensure_registered(session)
+        for keyid in keyids:
+            n = key_service.attest_key(session, keyid, signer=signer, actor=LOCAL_ADMIN[1])
+            if n:
+                audit.record(session, Principal(*LOCAL_ADMIN), "key.attest", keyid, leaves=n)
+            console.print(f"{keyid}: {n} registry leaf(s) appended")
+    engine.dispose()
+
+
 @apikey_app.command("create")
 def apikey_create(
     role: str = typer.Option(..., help="ingester | reviewer | auditor | worker | admin"),

@@ -73,9 +73,8 @@ class BundleKey:
     revoked_index: int | None = None
 
     def check_index(self, keyid: str, log_index: int) -> None:
-        if log_index <= self.registered_index:
-            raise BundleError(f"key {keyid} was registered at log index "
-                              f"{self.registered_index}, after this record")
+        """A record sequenced after its key's revocation leaf is refused (see
+        :meth:`ledger.core.registry.RegisteredKey.valid_at_index`)."""
         if self.revoked_index is not None and log_index > self.revoked_index:
             raise BundleError(f"key {keyid} was revoked at log index {self.revoked_index}, "
                               "before this record")

@@ -57,10 +57,12 @@ class RegisteredKey:
         return "active" if self.revoked_at is None else "revoked"
 
     def valid_at_index(self, log_index: int) -> str | None:
-        """Why a record at ``log_index`` may not be signed by this key, or None."""
-        if log_index <= self.registered_index:
-            return (f"key {self.keyid} was registered at log index {self.registered_index}, "
-                    f"after the record at {log_index}")
+        """Why a record at ``log_index`` may not be signed by this key, or None.
+
+        Only revocation is ordered: a record sequenced after its key's revocation leaf is
+        refused. A registration leaf may come after records the key signed (keys attested
+        after an upgrade, `ledger keys attest`): those records are fixed in the log
+        already, so a late registration cannot forge them."""
         if self.revoked_index is not None and log_index > self.revoked_index:
             return (f"key {self.keyid} was revoked at log index {self.revoked_index}, before "
                     f"the record at {log_index}")

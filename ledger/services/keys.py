@@ -77,6 +77,34 @@ def revoke_key(session: Session, keyid: str, reason: str, *, signer: Signer | No
     return row
 
 
+def attest_key(session: Session, keyid: str, *, signer: Signer,
+               actor: str = "ledger") -> int:
+    """Append the registry leaves an existing row lacks (a registration, and a revocation
+    if it is revoked): the upgrade path for keys registered before registry leaves, or
+    with ``signer=None``. An explicit act of whoever holds the service key, who vouches
+    for the row as it is now. Returns the number of leaves appended."""
+    from ledger.db.models import AdminEvent
+    from ledger.log.registry import append_admin_event, key_event
+
+    row = session.get(SigningKey, keyid, with_for_update=True)
+    if row is None:
+        raise NotFound(f"no signing key {keyid}")
+    kinds = set(session.scalars(select(AdminEvent.kind).where(AdminEvent.target == keyid)))
+    appended = 0
+    event = key_event(row)
+    if "signing_key.registered" not in kinds:
+        registered = {**event, "status": "active", "revoked_at": None,
+                      "revoked_reason": None}
+        append_admin_event(session, signer, kind="signing_key.registered", actor=actor,
+                           key=registered)
+        appended += 1
+    if row.status == "revoked" and "signing_key.revoked" not in kinds:
+        append_admin_event(session, signer, kind="signing_key.revoked", actor=actor,
+                           key=event)
+        appended += 1
+    return appended
+
+
 def list_keys(session: Session, purpose: str | None = None) -> list[SigningKey]:
     stmt = select(SigningKey).order_by(SigningKey.created_at, SigningKey.keyid)
     if purpose:

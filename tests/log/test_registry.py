@@ -225,3 +225,35 @@ def test_cli_key_commands_append_leaves(db_url: str, tmp_path: Path, engine: Eng
             ORIGIN, generate_private_key()).verifier(),), (public_raw(service.key),)))
     assert kinds == ["signing_key.registered", "signing_key.registered", "api_key.created"]
     assert problems == []
+
+
+def test_keys_registered_before_the_registry_are_attested(
+        engine: Engine, db_url: str, tmp_path: Path) -> None:
+    """The upgrade path: rows without leaves (registered before migration 0006, or with
+    signer=None) are reported until `ledger keys attest` vouches for them."""
+    old, gone = generate_private_key(), generate_private_key()
+    with session_scope(engine) as s:
+        keys.register_key(s, public_key=public_raw(old), purpose="producer", name="old")
+        row, _ = keys.register_key(s, public_key=public_raw(gone), purpose="producer",
+                                   name="gone")
+        keys.revoke_key(s, row.keyid, "retired")
+    service_key = generate_private_key()
+    service_file = tmp_path / "service.pem"
+    service_file.write_bytes(private_pem(service_key))
+    policy = TrustPolicy(ORIGIN, (LogSigner(ORIGIN, generate_private_key()).verifier(),),
+                         (public_raw(service_key),))
+    with session_scope(engine) as s:
+        assert len(problems_of(s, policy)) == 2
+    r = subprocess.run([sys.executable, "-m", "ledger.cli.main", "keys", "attest",
+                        key_id(public_raw(old)), key_id(public_raw(gone))], cwd=REPO,
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "LEDGER_DATABASE_URL": db_url,
+                            "LEDGER_SERVICE_KEY_FILE": str(service_file)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    with session_scope(engine) as s:
+        vouched, problems = vouched_keys(s, policy)
+        assert keys.attest_key(s, key_id(public_raw(old)),
+                               signer=Signer(service_key, "ledger", "x")) == 0  # idempotent
+    assert problems == []
+    assert vouched[key_id(public_raw(old))].status == "active"
+    assert vouched[key_id(public_raw(gone))].status == "revoked"
