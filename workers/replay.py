@@ -11,7 +11,7 @@ replayed and compared.
 What the worker believes comes from its trust policy (``LEDGER_TRUST_POLICY_FILE``), not
 from the database it reads jobs from: a checkpoint counts only when a policy log key
 signed it, and a producer key only when a registry leaf signed by a policy service key
-vouches for it (:func:`ledger.log.registry.vouched_keys`). An envelope that fails either
+vouches for it (:func:`ledger.log.registry.registry_from_leaves`). An envelope that fails either
 is ``unverifiable`` with the reason, never a verdict on the model. Without a policy the
 worker refuses to start unless ``insecure_dev`` is set.
 
@@ -53,7 +53,7 @@ from ledger.core.trust import TrustPolicy, load_trust_policy
 from ledger.db.models import Envelope, ReplayJob, ReplayJobItem, SigningKey, Worker
 from ledger.db.session import session_scope
 from ledger.log import proofs
-from ledger.log.registry import vouched_keys
+from ledger.log.registry import registry_from_leaves
 from ledger.log.signer import log_verifiers, trusted_log_verifiers
 from ledger.replay import disputes
 from ledger.replay import jobs as job_service
@@ -316,8 +316,10 @@ class ReplayWorker:
         """Producer keys this worker believes: vouched for by registry leaves signed by a
         policy service key (or, insecure, every producer row of the database)."""
         if self.trust is not None:
-            vouched, _ = vouched_keys(session, self.trust)
-            return {kid: k for kid, k in vouched.items() if k.purpose == "producer"}
+            # the leaves alone (not the key tables: a worker has no business reading
+            # api_keys); a leaf that does not verify vouches for nothing
+            registry, _ = registry_from_leaves(session, self.trust)
+            return {kid: k for kid, k in registry.keys.items() if k.purpose == "producer"}
         return {k.keyid: RegisteredKey(bytes(k.public_key), k.purpose, k.name, k.not_before,
                                        k.not_after, k.revoked_at, k.keyid,
                                        vouched_by="database")
