@@ -7,6 +7,10 @@ disputes: an honest record (reproduced bit for bit), a record a compromised gate
 altered and re-signed (diverged at k), and a record whose runtime no worker has (waiting
 for one). Finally the log is audited and a bundle is exported and verified offline.
 
+Every key change is a signed registry leaf, and a trust policy (``trust.toml`` in the data
+folder: the log key and the service key) is what the worker and the offline verify
+believe, as in production.
+
 Each run resets the demo database (the data folder and its keys are reused); pass
 ``--keep-running`` to leave the API up for exploring.
 """
@@ -168,19 +172,30 @@ def run_demo(data_dir: Path, *, keep_running: bool = False, port: int = 8000,
         paths = {name: keys_dir / f"{name}.pem" for name in
                  ("log", "service", "worker", "gateway", "gateway-bf16")}
         keys = {name: _key(p) for name, p in paths.items()}
+        from ledger.core.trust import format_trust_policy, parse_trust_policy
+        from ledger.log.signer import LogSigner
+
+        policy_text = format_trust_policy(LOG_NAME, [public_raw(keys["log"])],
+                                          [public_raw(keys["service"])])
+        (data_dir / "trust.toml").write_text(policy_text)
+        trust = parse_trust_policy(policy_text)
         settings = Settings(database_url=db_url, log_name=LOG_NAME,
                             log_key_file=paths["log"], service_key_file=paths["service"],
                             worker_key_file=paths["worker"], integrate_interval_ms=50,
                             checkpoint_sink_dir=data_dir / "checkpoints",
-                            worker_dead_after_s=30, data_dir=data_dir)
+                            worker_dead_after_s=30, data_dir=data_dir,
+                            trust_policy_file=data_dir / "trust.toml")
         db = make_engine(settings, pool_size=4)
+        service = Signer(keys["service"], "ledger", "ledger-service")
         with session_scope(db) as s:
+            service.ensure_registered(s)  # a registry leaf signed by itself
+            LogSigner(LOG_NAME, keys["log"]).ensure_registered(s, service)
             for name, purpose in (("gateway", "producer"), ("gateway-bf16", "producer"),
                                   ("worker", "worker")):
                 register_key(s, public_key=public_raw(keys[name]), purpose=purpose,
-                             name=f"demo-{name}")
+                             name=f"demo-{name}", signer=service, actor="demo")
             api_keys = {role: create_api_key(s, name=f"demo-{role}", role=role,
-                                             pepper="")[1]
+                                             pepper="", created_by="demo", signer=service)[1]
                         for role in ("ingester", "reviewer", "auditor", "admin")}
         progress.advance(step)
 
@@ -301,12 +316,9 @@ def run_demo(data_dir: Path, *, keep_running: bool = False, port: int = 8000,
                 for chunk in resp.iter_bytes():
                     fh.write(chunk)
             progress.advance(tail)
-            from ledger.core.bundle import verify_lines
-            from ledger.core.note import NoteVerifier
+            from ledger.core.bundle import verify_bundle
 
-            pinned = NoteVerifier.from_public_key(LOG_NAME, public_raw(keys["log"]))
-            summary = verify_lines(result.bundle.read_bytes().split(b"\n")[:-1],
-                                   pinned_log_keys=[pinned])
+            summary = verify_bundle(result.bundle.read_bytes(), trust=trust)
             result.verify_ok = summary.records > 0
             progress.advance(tail)
             console.log(f"audit: {report.entries} entries, {report.checkpoints} checkpoints, "
@@ -314,7 +326,7 @@ def run_demo(data_dir: Path, *, keep_running: bool = False, port: int = 8000,
                         f"{'OK' if report.ok else 'FAILED'}")
             console.log(f"bundle {result.bundle}: {summary.records} records "
                         f"({', '.join(f'{v} {k}' for k, v in sorted(summary.by_kind.items()))})"
-                        " verified offline")
+                        f" verified offline against the trust policy {data_dir / 'trust.toml'}")
             result.seconds = time.perf_counter() - started
             _print_summary(console, result, api_keys)
             if keep_running:

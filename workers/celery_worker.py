@@ -23,16 +23,25 @@ log = logging.getLogger("ledger.worker")
 
 def build_worker(settings: Settings, *, models: list[str], engine_name: str, device: str,
                  dtype: str, max_batch: int, key_file: Path | None,
-                 register_key: bool = False) -> ReplayWorker:
+                 register_key: bool = False, insecure_dev: bool = False) -> ReplayWorker:
+    from workers.replay import worker_trust
+
+    trust = worker_trust(settings, insecure_dev=insecure_dev)  # refuses before anything
     signer = Signer.from_file(key_file or settings.worker_key_file, "worker", "replay-worker")
     if signer is None:
         raise SystemExit("a worker needs its signing key: --key FILE or LEDGER_WORKER_KEY_FILE")
     db = make_engine(settings, pool_size=3)
     worker = ReplayWorker(settings, db, models=models, engine_name=engine_name, device=device,
-                          dtype=dtype, max_batch=max_batch, signer=signer)
+                          dtype=dtype, max_batch=max_batch, signer=signer, trust=trust,
+                          insecure_dev=insecure_dev)
     if register_key:
+        # a registry leaf when the service key is at hand (otherwise `ledger audit`
+        # reports the row, and bundles verified with a policy do not believe the key)
+        service = Signer.from_file(settings.service_key_file, "ledger", "ledger-service")
         with session_scope(db) as session:
-            signer.ensure_registered(session)
+            if service is not None:
+                service.ensure_registered(session)
+            signer.ensure_registered(session, service)
     return worker
 
 

@@ -3,9 +3,17 @@
 Before it consumes anything a worker knows its runtime fingerprint, has hashed the models
 it holds (by the documented artifact rule), and has passed a batch-invariance self-check on
 its own engine. Each delivered job is re-checked here: its fingerprint must be this
-worker's (a foreign job is refused, not replayed), every envelope's signature and its
-inclusion in the log are verified against the latest signed checkpoint, the model is found
-by artifact hash, and only then is the request replayed and compared.
+worker's (a foreign job is refused, not replayed, and leaves no trace in the database),
+every envelope's signature and its inclusion in the log are verified against the latest
+signed checkpoint, the model is found by artifact hash, and only then is the request
+replayed and compared.
+
+What the worker believes comes from its trust policy (``LEDGER_TRUST_POLICY_FILE``), not
+from the database it reads jobs from: a checkpoint counts only when a policy log key
+signed it, and a producer key only when a registry leaf signed by a policy service key
+vouches for it (:func:`ledger.log.registry.registry_from_leaves`). An envelope that fails either
+is ``unverifiable`` with the reason, never a verdict on the model. Without a policy the
+worker refuses to start unless ``insecure_dev`` is set.
 
 Runs inside ``ledger worker`` (Celery, one process per GPU set, solo pool, prefetch 1), or
 in-process for ``ledger demo``.
@@ -35,15 +43,18 @@ from ledger.artifacts import model_sha256
 from ledger.core import dsse
 from ledger.core.compare import Side, compare
 from ledger.core.envelope import Limits, index_fields, parse_statement
-from ledger.core.errors import LedgerError
+from ledger.core.errors import KeyError_, LedgerError
 from ledger.core.fingerprint import fingerprint_id as compute_fingerprint_id
 from ledger.core.logentry import dsse_digest, log_entry_bytes
 from ledger.core.merkle import leaf_hash, verify_inclusion
-from ledger.core.note import open_checkpoint
+from ledger.core.note import NoteVerifier, open_checkpoint
+from ledger.core.registry import RegisteredKey
+from ledger.core.trust import TrustPolicy, load_trust_policy
 from ledger.db.models import Envelope, ReplayJob, ReplayJobItem, SigningKey, Worker
 from ledger.db.session import session_scope
 from ledger.log import proofs
-from ledger.log.signer import log_verifiers
+from ledger.log.registry import registry_from_leaves
+from ledger.log.signer import log_verifiers, trusted_log_verifiers
 from ledger.replay import disputes
 from ledger.replay import jobs as job_service
 from ledger.replay.records import Signer
@@ -60,6 +71,25 @@ READ_LIMITS = Limits(max_prompt_tokens=10**7, max_output_tokens=10**7, max_token
 
 class SelfCheckFailed(RuntimeError):
     pass
+
+
+class NoTrustPolicy(RuntimeError):
+    """A worker without a trust policy (and without ``insecure_dev``) does not start."""
+
+
+NO_TRUST_POLICY = ("the replay worker needs a trust policy: set LEDGER_TRUST_POLICY_FILE "
+                   "(`ledger trust init` writes one), or pass --insecure-dev to trust the "
+                   "database's own keys (development only)")
+
+
+def worker_trust(settings: Settings, trust: TrustPolicy | None = None, *,
+                 insecure_dev: bool = False) -> TrustPolicy | None:
+    """The policy a worker checks against; raises :class:`NoTrustPolicy` without one."""
+    if trust is None and settings.trust_policy_file is not None:
+        trust = load_trust_policy(settings.trust_policy_file)
+    if trust is None and not insecure_dev:
+        raise NoTrustPolicy(NO_TRUST_POLICY)
+    return trust
 
 
 @dataclass
@@ -107,7 +137,13 @@ def hold_models(models: Sequence[str | Path]) -> dict[str, HeldModel]:
 class ReplayWorker:
     def __init__(self, settings: Settings, db: Engine, *, models: Sequence[str | Path],
                  engine_name: str = "reference", device: str = "cpu", dtype: str = "float32",
-                 max_batch: int = 32, signer: Signer) -> None:
+                 max_batch: int = 32, signer: Signer, trust: TrustPolicy | None = None,
+                 insecure_dev: bool = False) -> None:
+        # first, before any model is loaded: no trust policy, no worker
+        self.trust = worker_trust(settings, trust, insecure_dev=insecure_dev)
+        if self.trust is None:
+            log.warning("INSECURE: no trust policy; log and producer keys are taken from the "
+                        "database this worker reads (--insecure-dev)")
         self.settings = settings
         self.db = db
         self.engine_name = engine_name
@@ -211,6 +247,24 @@ class ReplayWorker:
     # ------------------------------------------------------------------------ jobs
     def run_job(self, job_id: str) -> str:
         """Handle one delivery of a job; returns what was done (for logs and tests)."""
+        try:
+            jid = uuid.UUID(job_id)
+        except ValueError:
+            log.warning("a message that names no job (%r): ignored", job_id[:80])
+            return "skip"
+        # Anyone who can write to the broker can send us messages: one for a job that is
+        # not ours is refused before anything is written (read-only look-up).
+        with self.db.connect() as conn:
+            fingerprint = conn.execute(select(ReplayJob.fingerprint_id).where(
+                ReplayJob.id == jid)).scalar()
+            conn.rollback()
+        if fingerprint is None:
+            log.warning("job %s: no such job; ignored", job_id)
+            return "skip"
+        if fingerprint != self.fingerprint_id:
+            log.warning("job %s is for fingerprint %s, this worker is %s: refused, not "
+                        "replayed", job_id, fingerprint, self.fingerprint_id)
+            return "refuse"
         with session_scope(self.db) as session:
             job, claim = job_service.claim(session, job_id, worker_id=self.worker_id,
                                            fingerprint_id=self.fingerprint_id,
@@ -252,11 +306,33 @@ class ReplayWorker:
             items = list(session.scalars(select(ReplayJobItem).where(
                 ReplayJobItem.job_id == uuid.UUID(job_id)).order_by(ReplayJobItem.position)))
             session.expunge_all()
+            producers = self._producer_keys(session)
         # A gate job replays envelopes of an *earlier* fingerprint on this new runtime on
         # purpose; every other job must match this worker's fingerprint exactly.
-        return [self._check_item(item, foreign_ok=kind == "gate") for item in items]
+        return [self._check_item(item, producers, foreign_ok=kind == "gate")
+                for item in items]
 
-    def _check_item(self, item: ReplayJobItem, *, foreign_ok: bool = False) -> Prepared:
+    def _producer_keys(self, session: Any) -> dict[str, RegisteredKey]:
+        """Producer keys this worker believes: vouched for by registry leaves signed by a
+        policy service key (or, insecure, every producer row of the database)."""
+        if self.trust is not None:
+            # the leaves alone (not the key tables: a worker has no business reading
+            # api_keys); a leaf that does not verify vouches for nothing
+            registry, _ = registry_from_leaves(session, self.trust)
+            return {kid: k for kid, k in registry.keys.items() if k.purpose == "producer"}
+        return {k.keyid: RegisteredKey(bytes(k.public_key), k.purpose, k.name, k.not_before,
+                                       k.not_after, k.revoked_at, k.keyid,
+                                       vouched_by="database")
+                for k in session.scalars(select(SigningKey).where(
+                    SigningKey.purpose == "producer"))}
+
+    def _log_verifiers(self, session: Any) -> list[NoteVerifier]:
+        if self.trust is not None:
+            return trusted_log_verifiers(self.trust, self.settings.log_name)
+        return log_verifiers(session, self.settings.log_name)
+
+    def _check_item(self, item: ReplayJobItem, producers: dict[str, RegisteredKey], *,
+                    foreign_ok: bool = False) -> Prepared:
         """Signature, inclusion, fingerprint, artifacts, sampling: anything that fails makes
         the item unverifiable with the reason."""
         fault = self.settings.fault_crash_on_request_id
@@ -270,13 +346,22 @@ class ReplayWorker:
             if env is None:
                 prep.problem = "the envelope record is missing"
                 return prep
-            keys = {k.keyid: bytes(k.public_key) for k in session.scalars(
-                select(SigningKey).where(SigningKey.purpose == "producer"))}
+
+            def producer_key(kid: str) -> bytes:
+                key = producers.get(kid)
+                if key is None:
+                    raise KeyError_(f"producer key {kid} is not vouched for by a registry "
+                                    "leaf signed by a trusted service key")
+                why = key.valid_at_index(item.envelope_index)
+                if why is not None:
+                    raise KeyError_(why)
+                return key.public_key
+
             try:
                 envelope = dsse.envelope_from_json(bytes(env.dsse))
-                dsse.verify_envelope(envelope, lambda kid: keys[kid])
-            except (LedgerError, KeyError) as exc:
-                prep.problem = f"bad signature: {exc}"
+                dsse.verify_envelope(envelope, producer_key)
+            except LedgerError as exc:
+                prep.problem = f"bad signature: {exc.message}"
                 return prep
             while True:
                 try:
@@ -290,7 +375,7 @@ class ReplayWorker:
                     time.sleep(0.2)
             try:
                 checkpoint = open_checkpoint(receipt.checkpoint.note,
-                                             log_verifiers(session, self.settings.log_name),
+                                             self._log_verifiers(session),
                                              origin=self.settings.log_name)
                 want = log_entry_bytes("envelope", item.request_id,
                                        dsse_digest(envelope.canonical_bytes()))

@@ -158,7 +158,8 @@ class _BodyTooLarge(Exception):
     pass
 
 
-def start_integrator(settings: Settings, engine: Engine) -> IntegratorThread | None:
+def start_integrator(settings: Settings, engine: Engine,
+                     registrar: Signer | None = None) -> IntegratorThread | None:
     """Run the integrator in this API process when it holds the log key (processes take
     turns: one integrates at a time)."""
     signer = LogSigner.from_settings(settings)
@@ -166,7 +167,7 @@ def start_integrator(settings: Settings, engine: Engine) -> IntegratorThread | N
         return None
     try:
         with session_scope(engine) as session:
-            signer.ensure_registered(session)
+            signer.ensure_registered(session, registrar)
     except Exception as exc:  # noqa: BLE001 - the database may be down at start-up
         log.warning("could not register the log key yet: %s", exc)
     thread = IntegratorThread(engine, signer, max_entries=settings.integrate_max_entries,
@@ -188,7 +189,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
                     app.state.service_signer.ensure_registered(session)
             except Exception as exc:  # noqa: BLE001 - the database may be down at start-up
                 log.warning("could not register the service key yet: %s", exc)
-        integrator = start_integrator(settings, engine)
+        integrator = start_integrator(settings, engine, app.state.service_signer)
         app.state.integrator = integrator
         try:
             yield

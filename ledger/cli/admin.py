@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from datetime import datetime
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import httpx
 import typer
@@ -79,6 +79,18 @@ def _public_from_file(path: Path) -> bytes:
     return corekeys.parse_public_key(data.decode())
 
 
+def _registry_signer(settings: Any) -> Any:
+    """The service key (LEDGER_SERVICE_KEY_FILE) that signs registry leaves, or None with a
+    warning: a change made without it is reported by `ledger audit`."""
+    from ledger.replay.records import Signer
+
+    signer = Signer.from_file(settings.service_key_file, "ledger", "ledger-service")
+    if signer is None:
+        console.print("[yellow]LEDGER_SERVICE_KEY_FILE is not set: the change is not a "
+                      "signed registry leaf, and `ledger audit` will report it[/yellow]")
+    return signer
+
+
 @keys_app.command("register")
 def keys_register(
     key_file: Annotated[Path, typer.Argument(help="Public key (PEM/base64) or private key PEM.")],
@@ -121,11 +133,15 @@ def keys_register(
     from ledger.services import keys as key_service
     from ledger.services.apikeys import Principal
 
+    signer = _registry_signer(settings)
     engine = make_engine(settings)
     with session_scope(engine) as session:
+        if signer is not None:
+            signer.ensure_registered(session)
         row, created = key_service.register_key(session, public_key=raw, purpose=purpose,
                                                 name=name, not_before=not_before,
-                                                not_after=not_after)
+                                                not_after=not_after, signer=signer,
+                                                actor=LOCAL_ADMIN[1])
         if created:
             audit.record(session, Principal(*LOCAL_ADMIN), "key.register", row.keyid,
                          purpose=purpose, name=name)
@@ -144,12 +160,45 @@ def keys_revoke(keyid: str, reason: str = typer.Option(..., help="Why (kept in t
     from ledger.services import keys as key_service
     from ledger.services.apikeys import Principal
 
-    engine = make_engine(settings_with(database_url))
+    settings = settings_with(database_url)
+    signer = _registry_signer(settings)
+    engine = make_engine(settings)
     with session_scope(engine) as session:
-        key_service.revoke_key(session, keyid, reason)
+        if signer is not None:
+            signer.ensure_registered(session)
+        key_service.revoke_key(session, keyid, reason, signer=signer, actor=LOCAL_ADMIN[1])
         audit.record(session, Principal(*LOCAL_ADMIN), "key.revoke", keyid, reason=reason)
     engine.dispose()
     console.print(f"[yellow]revoked {keyid}[/yellow]")
+
+
+@keys_app.command("attest")
+def keys_attest(keyids: Annotated[list[str], typer.Argument(help="Key IDs (hex SHA-256).")],
+                database_url: Optional[str] = DatabaseUrlOption) -> None:  # noqa: UP045
+    """Vouch for existing key rows that have no registry leaf (keys registered before the
+    upgrade that added them): appends their registration (and revocation) leaves, signed
+    with LEDGER_SERVICE_KEY_FILE. Check each row first: attesting is vouching."""
+    from ledger.db.session import make_engine, session_scope
+    from ledger.replay.records import Signer
+    from ledger.services import audit
+    from ledger.services import keys as key_service
+    from ledger.services.apikeys import Principal
+
+    settings = settings_with(database_url)
+    signer = Signer.from_file(settings.service_key_file, "ledger", "ledger-service")
+    if signer is None:
+        console.print("[red]set LEDGER_SERVICE_KEY_FILE: attesting signs registry "
+                      "leaves[/red]")
+        raise typer.Exit(2)
+    engine = make_engine(settings)
+    with session_scope(engine) as session:
+        signer.ensure_registered(session)
+        for keyid in keyids:
+            n = key_service.attest_key(session, keyid, signer=signer, actor=LOCAL_ADMIN[1])
+            if n:
+                audit.record(session, Principal(*LOCAL_ADMIN), "key.attest", keyid, leaves=n)
+            console.print(f"{keyid}: {n} registry leaf(s) appended")
+    engine.dispose()
 
 
 @apikey_app.command("create")
@@ -168,11 +217,14 @@ def apikey_create(
         console.print(f"[red]role must be one of {', '.join(ROLES)}[/red]")
         raise typer.Exit(2)
     settings = settings_with(database_url)
+    signer = _registry_signer(settings)
     engine = make_engine(settings)
     with session_scope(engine) as session:
+        if signer is not None:
+            signer.ensure_registered(session)
         row, secret = create_api_key(session, name=name, role=role,
                                      pepper=settings.api_key_pepper.get_secret_value(),
-                                     created_by="local-cli")
+                                     created_by="local-cli", signer=signer)
         audit.record(session, Principal(*LOCAL_ADMIN), "api_key.create", str(row.id),
                      name=name, role=role)
     engine.dispose()

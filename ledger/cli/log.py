@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -39,9 +40,14 @@ def integrate_command(
     if signer is None:
         console.print("[red]set LEDGER_LOG_KEY_FILE to the log's private key (PEM)[/red]")
         raise typer.Exit(2)
+    from ledger.replay.records import Signer
+
+    service = Signer.from_file(settings.service_key_file, "ledger", "ledger-service")
     engine = make_engine(settings, pool_size=1)
     with session_scope(engine) as session:
-        signer.ensure_registered(session)
+        if service is not None:  # the log key's registration is then a registry leaf
+            service.ensure_registered(session)
+        signer.ensure_registered(session, service)
     sink = sink_from_settings(settings.checkpoint_sink_dir)
     while True:
         done = integrate_all(engine, signer, max_entries=settings.integrate_max_entries,
@@ -135,84 +141,66 @@ def export_command(
     console.print(f"[green]wrote {out_path}: {n} records[/green]")
 
 
-def _verify_chunk(args: tuple[bytes, list[tuple[int, bytes]], list[str] | None]
-                  ) -> list[tuple[int, str, int]]:
-    from ledger.core.bundle import read_header, verify_record
-    from ledger.core.note import parse_verifier_key
-
-    header_line, lines, pinned = args
-    header = read_header(header_line, [parse_verifier_key(k) for k in pinned] if pinned else None)
-    return [(*verify_record(line, n, header), n) for n, line in lines]
-
-
 def verify_command(
     bundle: Annotated[Path, typer.Argument(help="A bundle written by `ledger export`.")],
+    trust: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        help="Trust policy (TOML, `ledger trust init`): only its log keys and service keys "
+             "are believed, producer and worker keys only when the bundle's registry "
+             "records vouch for them. Default: LEDGER_TRUST_POLICY_FILE.")] = None,
     log_key: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
-        help="Pin the log's verifier key (name+hash+key); without it the keys listed in "
-             "the bundle are used, which proves integrity but not origin.")] = None,
+        help="Without a trust policy: pin the log's verifier key (name+hash+key); without "
+             "either, the keys the bundle names are used, which proves integrity but not "
+             "origin.")] = None,
     jobs: int = typer.Option(0, help="Processes (0: one per CPU)."),
 ) -> None:
-    """Verify a bundle offline: checkpoint signature, every envelope signature and every
-    inclusion proof. No database, no network. Exit 1 naming what is wrong."""
-    from ledger.core.bundle import BundleError, add_record, finish, read_header, start_summary
+    """Verify a bundle offline: the signed manifest covering every byte, the checkpoint
+    signature (and witness quorum), every record's signature and inclusion proof. No
+    database, no network. Exit 1 naming what is wrong."""
+    from ledger.core.bundle import verify_bundle
     from ledger.core.errors import LedgerError
     from ledger.core.note import parse_verifier_key
+    from ledger.core.trust import load_trust_policy
 
     started = time.perf_counter()
     try:
+        policy_file = trust or settings_with(None).trust_policy_file
+        policy = load_trust_policy(policy_file) if policy_file is not None else None
+        pinned = [parse_verifier_key(k) for k in log_key] if log_key and not policy else None
         data = bundle.read_bytes()
-        lines = data.split(b"\n")
-        if lines and lines[-1] == b"":
-            lines.pop()
-        else:
-            raise BundleError("the bundle does not end with a newline (truncated?)")
-        if not lines:
-            raise BundleError("the bundle is empty")
-        pinned = [parse_verifier_key(k) for k in log_key] if log_key else None
-        header = read_header(lines[0], pinned)
-        summary = start_summary(header)
-        records = list(enumerate(lines[1:], start=2))
-        for n, line in records:
-            if not line.strip():
-                raise BundleError(f"line {n}: empty line")
-        chunks = [records[i:i + VERIFY_CHUNK] for i in range(0, len(records), VERIFY_CHUNK)]
         workers = jobs or os.cpu_count() or 1
-        seen: set[int] = set()
         with _progress() as bar:
-            task = bar.add_task("verifying records", total=len(records))
-            args = [(lines[0], c, log_key) for c in chunks]
-            if workers > 1 and len(chunks) > 1:
+            task = bar.add_task("verifying records", total=max(data.count(b"\n") - 1, 0))
+            kwargs = {"trust": policy, "pinned_log_keys": pinned,
+                      "on_records": lambda n: bar.advance(task, n), "chunk": VERIFY_CHUNK}
+            if workers > 1 and len(data) > 4 * 1024 * 1024:
                 import multiprocessing as mp
 
                 with ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
-                    results = pool.map(_verify_chunk, args)
-                    for res in results:
-                        for index, kind, n in res:
-                            add_record(summary, seen, index, kind, n)
-                        bar.advance(task, len(res))
+                    summary = verify_bundle(data, map_chunks=pool.map, **kwargs)
             else:
-                for a in args:
-                    res = _verify_chunk(a)
-                    for index, kind, n in res:
-                        add_record(summary, seen, index, kind, n)
-                    bar.advance(task, len(res))
-        finish(summary, header)
+                summary = verify_bundle(data, **kwargs)
     except (LedgerError, OSError) as exc:
         message = exc.message if isinstance(exc, LedgerError) else str(exc)
-        out.print(f"[red]FAIL: {message}[/red]")
+        out.print(f"[red]FAIL: {message}[/red]", soft_wrap=True)
         raise typer.Exit(1) from None
     elapsed = time.perf_counter() - started
     table = Table(title=f"ledger verify {bundle.name}", show_header=False)
     table.add_row("log", summary.origin)
     table.add_row("checkpoint tree size", f"{summary.tree_size:,}")
-    table.add_row("log key", "pinned" if summary.log_key_source == "pinned"
-                  else "from the bundle (pin it with --log-key to prove origin)")
+    table.add_row("log key", {"trust": f"from the trust policy {policy_file}",
+                              "pinned": "pinned"}.get(
+        summary.log_key_source,
+        "from the bundle (pass --trust POLICY to prove origin)"))
+    if summary.witnesses:
+        table.add_row("witnesses", ", ".join(summary.witnesses))
+    table.add_row("selection", json.dumps(summary.selection, sort_keys=True))
+    table.add_row("exported at", summary.created_at)
     for kind, count in sorted(summary.by_kind.items()):
         table.add_row(f"{kind} records verified", f"{count:,}")
     table.add_row("time", f"{elapsed:.2f} s ({summary.records / max(elapsed, 1e-9):,.0f}/s)")
     out.print(table)
-    out.print("[green]OK: checkpoint signature, every signature and every inclusion proof "
-              "verify[/green]")
+    out.print("[green]OK: the signed manifest covers every byte; checkpoint signature, every "
+              "signature and every inclusion proof verify[/green]")
 
 
 def register(app: typer.Typer) -> None:

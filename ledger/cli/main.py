@@ -15,6 +15,7 @@ from ledger.cli import demo as demo_cli
 from ledger.cli import engine as engine_cli
 from ledger.cli import log as log_cli
 from ledger.cli import replay as replay_cli
+from ledger.cli import trust as trust_cli
 from ledger.cli import witness as witness_cli
 
 app = typer.Typer(
@@ -31,6 +32,7 @@ capture_cli.register(app)
 log_cli.register(app)
 replay_cli.register(app)
 witness_cli.register(app)
+trust_cli.register(app)
 
 
 def main() -> None:  # pragma: no cover - console script shim

@@ -24,19 +24,30 @@ def worker_command(
                                        "LEDGER_WORKER_KEY_FILE."),
     register_key: bool = typer.Option(False, help="Register the key as a worker key if it "
                                       "is not (development; an admin does it otherwise)."),
+    insecure_dev: bool = typer.Option(
+        False, "--insecure-dev", help="Run without a trust policy, trusting the log and "
+        "producer keys of the database itself (development only: an insider can forge)."),
     loglevel: str = typer.Option("INFO"),
     database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
 ) -> None:
     """Replay worker: computes its fingerprint, hashes its models, self-checks batch
     invariance, then consumes only replay.<fingerprint_id>."""
     logging.basicConfig(level=loglevel, format="%(asctime)s %(name)s %(message)s")
+    from ledger.core.errors import LedgerError
     from workers.celery_worker import build_worker, serve
-    from workers.replay import SelfCheckFailed
+    from workers.replay import NoTrustPolicy, SelfCheckFailed
 
     settings = settings_with(database_url)
-    worker = build_worker(settings, models=models, engine_name=engine, device=device,
-                          dtype=dtype, max_batch=max_batch, key_file=key,
-                          register_key=register_key)
+    try:
+        worker = build_worker(settings, models=models, engine_name=engine, device=device,
+                              dtype=dtype, max_batch=max_batch, key_file=key,
+                              register_key=register_key, insecure_dev=insecure_dev)
+    except NoTrustPolicy as exc:
+        typer.echo(str(exc), err=True)  # one line, unwrapped
+        raise typer.Exit(2) from None
+    except LedgerError as exc:  # a trust policy that does not parse
+        console.print(f"[red]{exc.message}[/red]")
+        raise typer.Exit(2) from None
     console.print(f"worker {worker.worker_id}")
     console.print(f"fingerprint {worker.fingerprint_id}")
     console.print(json.dumps(worker.runtime, sort_keys=True))

@@ -1,45 +1,62 @@
-"""Offline-verifiable export bundles (format ``inference-ledger-bundle/v1``).
+"""Offline-verifiable export bundles (format ``inference-ledger-bundle/v2``).
 
-A bundle is JSON Lines. Line 1 is the header::
+A bundle is JSON Lines, every byte of it covered by a signature or a digest the verifier
+checks (docs/transparency-log.md, "Export bundles", is the full specification).
 
-    {"format": "inference-ledger-bundle/v1", "origin": ..., "checkpoint": "<signed note>",
-     "log_keys": ["<note verifier key>", ...], "keys": [{"keyid", "public_key" (base64 raw),
-     "purpose", "name", "status", "not_before", "not_after", "revoked_at"}, ...],
-     "selection": {...}, "records": N, "created_at": ...}
+Line 1, the header, is exactly the bytes :func:`header_bytes` makes::
 
-then one line per record::
+    {"format":"inference-ledger-bundle/v2","manifest":<DSSE>,"records":N}
 
-    {"log_index": 7, "kind": "envelope", "ref": "<request_id>", "dsse": {<DSSE>},
-     "inclusion_proof": ["<base64 hash>", ...]}
+``manifest`` is a DSSE envelope (canonical form) of an in-toto statement
+``urn:inference-ledger:bundle:v1`` signed by the ledger's service key; its subject is the
+SHA-256 of every record line (each with its newline) and its predicate holds ``origin``,
+``checkpoint`` (the signed note), ``log_keys``, ``service_keys``, ``keys`` (the database's
+key table, believed only without a trust policy), ``selection``, ``created_at`` and
+``records``. Then one line per record::
 
-Verification needs no database and no network: the checkpoint's signature (by a pinned log
-key, or one listed in the header), and for every record its DSSE signatures (by keys of
-the right purpose), the log entry recomputed from the DSSE bytes, and its inclusion proof
-against the checkpoint's root. Any failure raises :class:`BundleError` naming the line, the
-log index and what is wrong.
+    {"log_index":7,"kind":"envelope","ref":"<request_id>","dsse":{<DSSE>},
+     "inclusion_proof":["<base64 hash>", ...]}
+
+``admin_event`` records (the key registry) come first. With a trust policy the verifier
+believes only the policy's log keys (for the checkpoint) and service keys (for the
+manifest and the admin events), and a producer, worker or ledger key only when an
+admin_event record of the bundle registers it. For every record it checks the DSSE
+signatures, rebuilds the log entry from the DSSE bytes and checks its inclusion proof
+against the checkpoint's root. Any failure raises :class:`BundleError` naming the line,
+the log index and what is wrong.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Iterable, Mapping, Sequence
+import hashlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from ledger.core import dsse, jsonstrict
+from ledger.core.envelope import STATEMENT_TYPE
 from ledger.core.errors import LedgerError, VerificationError
+from ledger.core.keys import key_id
 from ledger.core.logentry import dsse_digest, log_entry_bytes
 from ledger.core.merkle import leaf_hash, verify_inclusion
 from ledger.core.note import Checkpoint, NoteVerifier, open_checkpoint, parse_verifier_key
+from ledger.core.registry import RegisteredKey, Registry, RegistryError, open_admin_event
+from ledger.core.statements import BUNDLE_PREDICATE_TYPE
+from ledger.core.trust import TrustPolicy
 
-FORMAT = "inference-ledger-bundle/v1"
+FORMAT = "inference-ledger-bundle/v2"
 #: Which key purposes may sign each record kind. Dispute events are signed by whoever
 #: caused them: the ledger (reviewer actions, routing) or a worker (replaying, verdict).
+#: Admin events are checked against the service keys (the policy's, or the manifest's).
 PURPOSES_BY_KIND = {"envelope": {"producer"}, "verdict": {"worker"},
-                    "dispute_event": {"ledger", "worker"}}
+                    "dispute_event": {"ledger", "worker"}, "admin_event": {"ledger"}}
+PREDICATE_FIELDS = frozenset({"format", "origin", "checkpoint", "log_keys", "service_keys",
+                              "keys", "selection", "created_at", "records"})
+RECORD_FIELDS = frozenset({"log_index", "kind", "ref", "dsse", "inclusion_proof"})
 
 
 class BundleError(VerificationError):
@@ -47,14 +64,35 @@ class BundleError(VerificationError):
 
 
 @dataclass(frozen=True, slots=True)
+class BundleKey:
+    """A key a record may be signed by, and the log-index window it is valid in."""
+
+    public_key: bytes
+    purpose: str
+    registered_index: int = -1
+    revoked_index: int | None = None
+
+    def check_index(self, keyid: str, log_index: int) -> None:
+        """A record sequenced after its key's revocation leaf is refused (see
+        :meth:`ledger.core.registry.RegisteredKey.valid_at_index`)."""
+        if self.revoked_index is not None and log_index > self.revoked_index:
+            raise BundleError(f"key {keyid} was revoked at log index {self.revoked_index}, "
+                              "before this record")
+
+
+@dataclass(slots=True)
 class BundleHeader:
     origin: str
     checkpoint: Checkpoint
     checkpoint_note: bytes
-    keys: Mapping[str, tuple[bytes, str]]  # keyid -> (public key, purpose)
+    keys: dict[str, BundleKey]
     records: int
-    raw: Mapping[str, Any]
-    log_key_source: str  # "pinned" or "bundle"
+    manifest: Mapping[str, Any]
+    log_key_source: str  # "trust", "pinned" or "bundle"
+    records_sha256: str
+    service_keys: dict[str, bytes]
+    witnesses: list[str] = field(default_factory=list)
+    registry: Registry = field(default_factory=Registry)
 
 
 @dataclass
@@ -65,6 +103,25 @@ class BundleSummary:
     origin: str = ""
     log_key_source: str = ""
     revoked_signers: set[str] = field(default_factory=set)
+    witnesses: list[str] = field(default_factory=list)
+    selection: Mapping[str, Any] = field(default_factory=dict)
+    created_at: str = ""
+
+
+def header_bytes(records: int, manifest: dsse.Envelope) -> bytes:
+    """The one function that makes a bundle's first line (without its newline)."""
+    return b'{"format":"%s","manifest":%s,"records":%d}' % (
+        FORMAT.encode(), manifest.canonical_bytes(), records)
+
+
+def records_digest(record_lines: Iterable[bytes]) -> str:
+    """SHA-256 over every record line, each followed by its newline (what the manifest's
+    subject names)."""
+    h = hashlib.sha256()
+    for line in record_lines:
+        h.update(line)
+        h.update(b"\n")
+    return h.hexdigest()
 
 
 def _b64(value: Any, what: str) -> bytes:
@@ -76,64 +133,137 @@ def _b64(value: Any, what: str) -> bytes:
         raise BundleError(f"{what} is not base64") from exc
 
 
-def read_header(line: bytes, pinned_log_keys: Sequence[NoteVerifier] | None = None
-                ) -> BundleHeader:
-    """Parse and verify the header line (the checkpoint signature above all)."""
+def _canonical_b64(env: dsse.Envelope, what: str) -> None:
+    """Base64 has spellings that decode alike (unused trailing bits): only one counts."""
+    if base64.b64encode(env.payload).decode() != env.payload_b64 or any(
+            base64.b64encode(s.sig).decode() != s.sig_b64 for s in env.signatures):
+        raise BundleError(f"{what}: base64 is not in canonical form")
+
+
+def _key_table(entries: Any) -> dict[str, BundleKey]:
+    keys: dict[str, BundleKey] = {}
+    if not isinstance(entries, list):
+        raise BundleError("manifest keys must be a list")
+    for i, k in enumerate(entries):
+        if not isinstance(k, dict):
+            raise BundleError(f"manifest keys[{i}] is not an object")
+        pub = _b64(k.get("public_key"), f"manifest keys[{i}].public_key")
+        try:
+            kid = key_id(pub)
+        except LedgerError as exc:
+            raise BundleError(f"manifest keys[{i}]: {exc.message}") from exc
+        if k.get("keyid") != kid:
+            raise BundleError(f"manifest keys[{i}].keyid does not match its public key")
+        keys[kid] = BundleKey(pub, str(k.get("purpose")))
+    return keys
+
+
+def read_header(line: bytes, pinned_log_keys: Sequence[NoteVerifier] | None = None, *,
+                trust: TrustPolicy | None = None) -> BundleHeader:
+    """Parse and verify the header line: its exact bytes, the manifest's signature (by a
+    trust-policy service key, or without a policy the one the manifest names), the
+    checkpoint's signature and, where the policy asks, its witness quorum."""
     try:
-        head = jsonstrict.loads(line, what="bundle header", max_depth=6)
+        head = jsonstrict.loads(line, what="bundle header", max_depth=8)
     except LedgerError as exc:
         raise BundleError(f"line 1: {exc.message}") from exc
     if not isinstance(head, dict) or head.get("format") != FORMAT:
         raise BundleError(f"line 1: not an {FORMAT} header")
-    origin = head.get("origin")
-    note = head.get("checkpoint")
+    if set(head) != {"format", "manifest", "records"}:
+        raise BundleError("line 1: a header holds exactly format, manifest and records")
+    records = head["records"]
+    if not isinstance(records, int) or isinstance(records, bool) or records < 0:
+        raise BundleError("line 1: records must be a count")
+    try:
+        env = dsse.envelope_from_obj(head["manifest"])
+    except LedgerError as exc:
+        raise BundleError(f"line 1: manifest: {exc.message}") from exc
+    _canonical_b64(env, "line 1: manifest")
+    if header_bytes(records, env) != line:
+        raise BundleError("line 1: the header is not in canonical form")
+    try:
+        statement = orjson.loads(env.payload)
+    except orjson.JSONDecodeError as exc:
+        raise BundleError("line 1: the manifest payload is not JSON") from exc
+    pred = statement.get("predicate") if isinstance(statement, dict) else None
+    if not isinstance(pred, dict) or statement.get("_type") != STATEMENT_TYPE \
+            or statement.get("predicateType") != BUNDLE_PREDICATE_TYPE:
+        raise BundleError(f"line 1: the manifest is not an {BUNDLE_PREDICATE_TYPE} statement")
+    if trust is not None:
+        service_keys = {key_id(k): bytes(k) for k in trust.service_keys}
+    else:  # self-asserted: proves integrity, not origin
+        service_keys = {}
+        for s in pred.get("service_keys") or []:
+            raw = _b64(s, "manifest service key")
+            try:
+                service_keys[key_id(raw)] = raw
+            except LedgerError as exc:
+                raise BundleError(f"line 1: manifest service key: {exc.message}") from exc
+
+    def service_key(kid: str) -> bytes:
+        found = service_keys.get(kid)
+        if found is None:
+            raise BundleError(f"the manifest is signed by {kid}, not a trusted service key")
+        return found
+
+    try:
+        dsse.verify_envelope(env, service_key)
+    except LedgerError as exc:
+        raise BundleError(f"line 1: manifest signature: {exc.message}") from exc
+    if set(pred) != PREDICATE_FIELDS or pred["format"] != FORMAT:
+        raise BundleError("line 1: the manifest predicate is not a bundle manifest")
+    subject = statement.get("subject")
+    try:
+        records_sha256 = subject[0]["digest"]["sha256"]
+        assert len(subject) == 1 and subject[0]["name"] == "records"
+    except (TypeError, KeyError, IndexError, AssertionError) as exc:
+        raise BundleError("line 1: the manifest's subject is not the records digest") from exc
+    if pred["records"] != records:
+        raise BundleError("line 1: the header's record count is not the manifest's")
+    origin, note = pred["origin"], pred["checkpoint"]
     if not isinstance(origin, str) or not isinstance(note, str):
-        raise BundleError("line 1: header lacks origin or checkpoint")
-    if pinned_log_keys:
+        raise BundleError("line 1: the manifest lacks origin or checkpoint")
+    if trust is not None:
+        if origin != trust.origin:
+            raise BundleError(f"the bundle is from log {origin!r}, the trust policy trusts "
+                              f"{trust.origin!r}")
+        verifiers, source = trust.log_verifiers(), "trust"
+    elif pinned_log_keys:
         verifiers, source = list(pinned_log_keys), "pinned"
     else:
         try:
-            verifiers = [parse_verifier_key(k) for k in head.get("log_keys") or []]
-        except LedgerError as exc:
-            raise BundleError(f"line 1: log key: {exc.message}") from exc
+            verifiers = [parse_verifier_key(k) for k in pred["log_keys"] or []]
+        except (LedgerError, TypeError) as exc:
+            raise BundleError(f"line 1: log key: {exc}") from exc
         source = "bundle"
     note_bytes = note.encode()
     try:
         cp = open_checkpoint(note_bytes, verifiers, origin=origin)
     except LedgerError as exc:
         raise BundleError(f"checkpoint: {exc.message}") from exc
-    keys: dict[str, tuple[bytes, str]] = {}
-    for i, k in enumerate(head.get("keys") or []):
-        if not isinstance(k, dict):
-            raise BundleError(f"line 1: keys[{i}] is not an object")
-        pub = _b64(k.get("public_key"), f"keys[{i}].public_key")
-        from ledger.core.keys import key_id
+    witnesses: list[str] = []
+    if trust is not None and trust.quorum > 0:
+        from ledger.core.cosignature import check_quorum
 
         try:
-            kid = key_id(pub)
+            witnesses = check_quorum(note_bytes, trust)
         except LedgerError as exc:
-            raise BundleError(f"line 1: keys[{i}]: {exc.message}") from exc
-        if k.get("keyid") != kid:
-            raise BundleError(f"line 1: keys[{i}].keyid does not match its public key")
-        keys[kid] = (pub, str(k.get("purpose")))
-    records = head.get("records")
-    if not isinstance(records, int) or isinstance(records, bool) or records < 0:
-        raise BundleError("line 1: records must be a count")
-    return BundleHeader(origin, cp, note_bytes, keys, records, head, source)
+            raise BundleError(f"checkpoint: {exc.message}") from exc
+    keys = {} if trust is not None else _key_table(pred["keys"])
+    return BundleHeader(origin, cp, note_bytes, keys, records, pred, source, records_sha256,
+                        service_keys, witnesses)
 
 
-def verify_record(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str]:
-    """Verify one record line; returns (log_index, kind)."""
+def _verify(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str, Any]:
     where = f"line {line_no}"
     # orjson rather than the strict reader: nothing on a record line is trusted until it
-    # verifies cryptographically (signature, inclusion), so a duplicate key cannot smuggle
-    # anything in, and this line is the hot path of offline verification.
+    # verifies cryptographically (signature, inclusion, the manifest's digest), and this
+    # line is the hot path of offline verification.
     try:
         rec = orjson.loads(line)
     except orjson.JSONDecodeError as exc:
         raise BundleError(f"{where}: not valid JSON: {exc}") from exc
-    if not isinstance(rec, dict) or set(rec) != {"log_index", "kind", "ref", "dsse",
-                                                 "inclusion_proof"}:
+    if not isinstance(rec, dict) or set(rec) != RECORD_FIELDS:
         raise BundleError(f"{where}: not a bundle record")
     index, kind, ref = rec["log_index"], rec["kind"], rec["ref"]
     if not isinstance(index, int) or isinstance(index, bool) or not isinstance(ref, str):
@@ -146,13 +276,20 @@ def verify_record(line: bytes, line_no: int, header: BundleHeader) -> tuple[int,
         env = dsse.envelope_from_obj(rec["dsse"])
 
         def key_for(keyid: str) -> bytes:
+            if kind == "admin_event":
+                service = header.service_keys.get(keyid)
+                if service is None:
+                    raise BundleError(f"admin event signed by {keyid}, not a trusted "
+                                      "service key")
+                return service
             found = header.keys.get(keyid)
             if found is None:
-                raise BundleError(f"signing key {keyid} is not in the bundle")
-            if found[1] not in purposes:
-                raise BundleError(f"key {keyid} is a {found[1]} key; a {kind} needs a "
+                raise BundleError(f"signing key {keyid} is not vouched for in the bundle")
+            if found.purpose not in purposes:
+                raise BundleError(f"key {keyid} is a {found.purpose} key; a {kind} needs a "
                                   f"{' or '.join(sorted(purposes))} key")
-            return found[0]
+            found.check_index(keyid, index)
+            return found.public_key
 
         dsse.verify_envelope(env, key_for)
         payload = orjson.loads(env.payload)
@@ -166,11 +303,50 @@ def verify_record(line: bytes, line_no: int, header: BundleHeader) -> tuple[int,
             raise BundleError("inclusion_proof must be a list")
         verify_inclusion(leaf_hash(entry), index, header.checkpoint.size, proof,
                          header.checkpoint.root_hash)
+        if kind == "admin_event":
+            event = open_admin_event(env, key_for)
+            return index, kind, event.predicate
     except BundleError as exc:
         raise BundleError(f"{where}: {exc.message}") from exc
     except (LedgerError, ValueError, TypeError, KeyError, orjson.JSONDecodeError) as exc:
         message = exc.message if isinstance(exc, LedgerError) else str(exc)
         raise BundleError(f"{where}: {message}") from exc
+    return index, kind, None
+
+
+def verify_record(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str]:
+    """Verify one record line (not an admin event: see :func:`add_admin_event`); returns
+    (log_index, kind)."""
+    index, kind, _ = _verify(line, line_no, header)
+    if kind == "admin_event":
+        raise BundleError(f"line {line_no}: admin_event records must come first")
+    return index, kind
+
+
+def is_admin_event(line: bytes) -> bool:
+    """Whether a record line claims to be an admin event (checked when it is verified)."""
+    try:
+        rec = orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(rec, dict) and rec.get("kind") == "admin_event"
+
+
+def add_admin_event(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str]:
+    """Verify an admin_event record and fold it into the header's key registry: the keys
+    it registers sign the records after it (with a trust policy, only those)."""
+    index, kind, pred = _verify(line, line_no, header)
+    if kind != "admin_event":
+        raise BundleError(f"line {line_no}: not an admin_event record")
+    try:
+        header.registry.apply(index, pred)
+    except RegistryError as exc:
+        raise BundleError(f"line {line_no} (log index {index}): {exc.message}") from exc
+    registered: RegisteredKey | None = header.registry.keys.get(str(pred.get("target")))
+    if registered is not None:
+        header.keys[registered.keyid] = BundleKey(
+            registered.public_key, registered.purpose, registered.registered_index,
+            registered.revoked_index)
     return index, kind
 
 
@@ -179,35 +355,74 @@ def _payload_ref(kind: str, payload: Any) -> str | None:
     pred = payload.get("predicate") if isinstance(payload, dict) else None
     if not isinstance(pred, dict):
         return None
-    key = {"envelope": "request_id", "verdict": "verdict_id", "dispute_event": "event_id"}[kind]
+    key = {"envelope": "request_id", "verdict": "verdict_id", "dispute_event": "event_id",
+           "admin_event": "event_id"}[kind]
     value = pred.get(key)
     return value if isinstance(value, str) else None
 
 
-def verify_lines(lines: Iterable[bytes], *, pinned_log_keys: Sequence[NoteVerifier] | None = None,
-                 on_record: Any = None) -> BundleSummary:
-    """Verify a whole bundle given its lines (single process; see the CLI for parallel)."""
-    it = iter(lines)
-    first = next(it, None)
-    if first is None:
+ChunkResult = list[tuple[int, str, int]]
+
+
+def verify_chunk(args: tuple[BundleHeader, list[tuple[int, bytes]]]) -> ChunkResult:
+    """Verify record lines against an opened header (a unit of parallel work)."""
+    header, lines = args
+    return [(*verify_record(line, n, header), n) for n, line in lines]
+
+
+def verify_lines(lines: Sequence[bytes], *, trust: TrustPolicy | None = None,
+                 pinned_log_keys: Sequence[NoteVerifier] | None = None,
+                 on_records: Callable[[int], None] | None = None,
+                 map_chunks: Callable[[Callable[[Any], ChunkResult], list[Any]],
+                                      Iterable[ChunkResult]] | None = None,
+                 chunk: int = 2_000) -> BundleSummary:
+    """Verify a whole bundle given its lines (without newlines). ``map_chunks`` (e.g. a
+    process pool's ``map``) spreads record verification; the default is sequential."""
+    if not lines:
         raise BundleError("the bundle is empty")
-    header = read_header(first, pinned_log_keys)
+    header = read_header(lines[0], pinned_log_keys, trust=trust)
     summary = start_summary(header)
     seen: set[int] = set()
-    for n, line in enumerate(it, start=2):
+    records = list(enumerate(lines[1:], start=2))
+    for n, line in records:
         if not line.strip():
             raise BundleError(f"line {n}: empty line")
-        index, kind = verify_record(line, n, header)
+    first = 0
+    while first < len(records) and is_admin_event(records[first][1]):
+        n, line = records[first]
+        index, kind = add_admin_event(line, n, header)
         add_record(summary, seen, index, kind, n)
-        if on_record is not None:
-            on_record()
+        first += 1
+    if on_records is not None and first:
+        on_records(first)
+    rest = records[first:]
+    chunks = [(header, rest[i:i + chunk]) for i in range(0, len(rest), chunk)]
+    for res in (map_chunks or map)(verify_chunk, chunks):
+        for index, kind, n in res:
+            add_record(summary, seen, index, kind, n)
+        if on_records is not None:
+            on_records(len(res))
     finish(summary, header)
+    if records_digest(lines[1:]) != header.records_sha256:
+        raise BundleError("the records are not those the manifest signs (digest mismatch)")
     return summary
+
+
+def verify_bundle(data: bytes, **kwargs: Any) -> BundleSummary:
+    """Verify a bundle file's bytes (what ``ledger verify`` does); see :func:`verify_lines`."""
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    else:
+        raise BundleError("the bundle does not end with a newline (truncated?)")
+    return verify_lines(lines, **kwargs)
 
 
 def start_summary(header: BundleHeader) -> BundleSummary:
     return BundleSummary(tree_size=header.checkpoint.size, origin=header.origin,
-                         log_key_source=header.log_key_source)
+                         log_key_source=header.log_key_source, witnesses=header.witnesses,
+                         selection=header.manifest.get("selection") or {},
+                         created_at=str(header.manifest.get("created_at")))
 
 
 def add_record(summary: BundleSummary, seen: set[int], index: int, kind: str, line_no: int) -> None:

@@ -6,8 +6,9 @@ prompts, and every entry fits the 65,535-byte limit of a tlog-tiles entry bundle
 
     {"dsse_sha256":"<hex>","kind":"envelope","ref":"<request_id>"}
 
-``kind`` is ``envelope``, ``verdict`` or ``dispute_event``; ``ref`` names the record
-(a request ID, a verdict ID, a dispute event ID). The leaf hash is
+``kind`` is ``envelope``, ``verdict``, ``dispute_event`` or ``admin_event`` (a key or
+API-key change); ``ref`` names the record (a request ID, a verdict ID, a dispute event
+ID, an admin event ID). The leaf hash is
 ``SHA-256(0x00 || entry)`` (RFC 9162).
 """
 
@@ -21,8 +22,8 @@ from ledger.core import jsonstrict
 from ledger.core.canonical import canonical_json
 from ledger.core.errors import FormatError
 
-EntryKind = Literal["envelope", "verdict", "dispute_event"]
-KINDS: frozenset[str] = frozenset({"envelope", "verdict", "dispute_event"})
+EntryKind = Literal["envelope", "verdict", "dispute_event", "admin_event"]
+KINDS: frozenset[str] = frozenset({"envelope", "verdict", "dispute_event", "admin_event"})
 
 
 _SAFE_REF = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}$")

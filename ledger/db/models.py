@@ -39,7 +39,7 @@ NAMING_CONVENTION = {
 }
 
 APPEND_ONLY_TABLES = ("log_entries", "envelopes", "audit_events", "checkpoints",
-                      "dispute_events", "verdicts")
+                      "dispute_events", "verdicts", "admin_events", "checkpoint_cosignatures")
 APP_ROLE = "ledger_app"
 
 
@@ -325,6 +325,30 @@ class DisputeEvent(Base):
     at: Mapped[datetime] = _now()
     dsse: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
     __table_args__ = (UniqueConstraint("dispute_id", "seq"),)
+
+
+ADMIN_EVENT_KINDS = ("signing_key.registered", "signing_key.revoked", "api_key.created",
+                     "api_key.revoked", "api_key.role_changed")
+
+
+class AdminEvent(Base):
+    """A key or API-key change: signed by the ledger's service key, a leaf of the log
+    (the registry through which every producer and worker key is trusted)."""
+
+    __tablename__ = "admin_events"
+    log_index: Mapped[int] = mapped_column(BigInteger, ForeignKey("log_entries.idx"),
+                                           primary_key=True, autoincrement=False)
+    event_id: Mapped[str] = mapped_column(Text, nullable=False, unique=True)
+    kind: Mapped[str] = mapped_column(Text, nullable=False)
+    actor: Mapped[str] = mapped_column(Text, nullable=False)
+    target: Mapped[str] = mapped_column(Text, nullable=False, index=True)
+    body: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    dsse: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    at: Mapped[datetime] = _now()
+    __table_args__ = (
+        CheckConstraint("kind IN (" + ", ".join(f"'{k}'" for k in ADMIN_EVENT_KINDS) + ")",
+                        name="kind"),
+    )
 
 
 class Verdict(Base):

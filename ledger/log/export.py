@@ -1,11 +1,19 @@
 """`ledger export` and ``GET /v1/export``: write a bundle (see :mod:`ledger.core.bundle`)
 for a selection of envelopes, every proof against one checkpoint, in one repeatable-read
-snapshot so the bundle is internally consistent while ingest goes on."""
+snapshot so the bundle is internally consistent while ingest goes on.
+
+The records are written first to a temporary file (hashing them as they go), because the
+header's manifest, signed with the ledger's service key, names their digest; then the
+header and the records are yielded. Every admin_event record (the key registry) travels
+with the bundle, first, so a verifier with a trust policy can tell which producer and
+worker keys the ledger vouched for."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
+import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -14,14 +22,20 @@ from typing import Any
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
-from ledger.core.bundle import FORMAT
+from ledger.core.bundle import FORMAT, header_bytes
+from ledger.core.keys import public_raw
 from ledger.core.note import format_verifier_key
+from ledger.core.statements import bundle_statement
 from ledger.core.tiles import Tile, inclusion_proof_from_tiles
 from ledger.db.models import SigningKey
 from ledger.errors import BadRequest
 from ledger.log.proofs import NotYetIntegrated
 from ledger.log.signer import log_verifiers
-from ledger.log.store import PgTileReader, latest_checkpoint
+from ledger.log.store import PgTileReader
+from ledger.log.witnessing import export_checkpoint
+from ledger.producer import sign_statement
+from ledger.replay.records import Signer, require_signer
+from ledger.settings import get_settings
 
 
 @dataclass(frozen=True)
@@ -68,16 +82,21 @@ def key_records(session: Session) -> list[dict[str, Any]]:
             for k in rows]
 
 
-def bundle_lines(engine: Engine, selection: Selection) -> Iterator[bytes]:
-    """Yield the bundle line by line (newline-terminated bytes)."""
+def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = None
+                 ) -> Iterator[bytes]:
+    """Yield the bundle line by line (newline-terminated bytes). ``signer`` is the ledger's
+    service key (default: LEDGER_SERVICE_KEY_FILE); without one nothing is exported."""
+    if signer is None:
+        signer = Signer.from_file(get_settings().service_key_file, "ledger", "ledger-service")
+    signer = require_signer(signer, "an export (its manifest is signed)")
     if selection.recorded_after and selection.recorded_after.tzinfo is None:
         raise BadRequest("recorded_after needs a UTC offset")
     with Session(engine) as session:
         session.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
         conn = session.connection().connection.driver_connection
         assert conn is not None
-        with conn.cursor() as cur:
-            cp = latest_checkpoint(cur)
+        with conn.cursor():
+            cp = export_checkpoint(session, len(get_settings().witnesses))
             if cp is None:
                 raise NotYetIntegrated("the log has no checkpoint yet; nothing to export")
             origin = cp.note.decode().split("\n", 1)[0]
@@ -106,6 +125,8 @@ def bundle_lines(engine: Engine, selection: Selection) -> Iterator[bytes]:
             # Every piece of these queries is ours (column lists, the bound parameters'
             # placeholders); values only ever travel as parameters.
             parts = [
+                ("admin_event", "SELECT a.log_index, a.event_id, a.dsse FROM admin_events a "
+                                "WHERE a.log_index < %s"),
                 ("envelope", f"SELECT v.log_index, v.request_id, v.dsse FROM envelopes v "  # noqa: S608
                              f"JOIN ({sel}) s USING (log_index)"),
                 ("verdict", f"SELECT r.log_index, r.verdict_id, r.dsse FROM verdicts r "  # noqa: S608
@@ -117,31 +138,38 @@ def bundle_lines(engine: Engine, selection: Selection) -> Iterator[bytes]:
                                   f"JOIN ({sel}) s ON s.log_index = d.envelope_index "
                                   f"WHERE e.log_index < %s"),
             ]
+            digest = hashlib.sha256()
             count = 0
-            for kind, query in parts:
-                extra = [] if kind == "envelope" else [cp.tree_size]
-                cur.execute(f"SELECT count(*) FROM ({query}) c", [*params, *extra])  # noqa: S608
-                count += int(cur.fetchone()[0])
-            header = {
-                "format": FORMAT, "origin": origin, "checkpoint": cp.note.decode(),
-                "log_keys": [format_verifier_key(v.name, v.public_key)
-                             for v in log_verifiers(session, origin)],
-                "keys": key_records(session), "selection": selection.to_json(),
-                "records": count, "created_at": datetime.now(UTC).isoformat(),
-            }
-            yield json.dumps(header, separators=(",", ":")).encode() + b"\n"
-            reader = CachingTileReader(PgTileReader(conn.cursor()))
-            for n, (kind, query) in enumerate(parts):
-                extra = [] if kind == "envelope" else [cp.tree_size]
-                with conn.cursor(name=f"export_{n}") as rows:
-                    rows.itersize = 2000
-                    rows.execute(f"{query} ORDER BY 1", [*params, *extra])
-                    for log_index, ref, dsse_bytes in rows:
-                        proof = inclusion_proof_from_tiles(log_index, cp.tree_size, reader)
-                        yield (b'{"log_index":%d,"kind":"%s","ref":%s,"dsse":%s,'
-                               b'"inclusion_proof":%s}\n' % (
-                                   log_index, kind.encode(), json.dumps(ref).encode(),
-                                   bytes(dsse_bytes),
-                                   json.dumps([_b64(h) for h in proof]).encode()))
-                    if len(reader.cache) > 100_000:
-                        reader.cache.clear()
+            with tempfile.TemporaryFile() as spool:
+                reader = CachingTileReader(PgTileReader(conn.cursor()))
+                for n, (kind, query) in enumerate(parts):
+                    args = {"admin_event": [cp.tree_size], "envelope": params}.get(
+                        kind, [*params, cp.tree_size])
+                    with conn.cursor(name=f"export_{n}") as rows:
+                        rows.itersize = 2000
+                        rows.execute(f"{query} ORDER BY 1", args)
+                        for log_index, ref, dsse_bytes in rows:
+                            proof = inclusion_proof_from_tiles(log_index, cp.tree_size, reader)
+                            line = (b'{"log_index":%d,"kind":"%s","ref":%s,"dsse":%s,'
+                                    b'"inclusion_proof":%s}\n' % (
+                                        log_index, kind.encode(), json.dumps(ref).encode(),
+                                        bytes(dsse_bytes),
+                                        json.dumps([_b64(h) for h in proof]).encode()))
+                            digest.update(line)
+                            spool.write(line)
+                            count += 1
+                        if len(reader.cache) > 100_000:
+                            reader.cache.clear()
+                manifest = {
+                    "format": FORMAT, "origin": origin, "checkpoint": cp.note.decode(),
+                    "log_keys": [format_verifier_key(v.name, v.public_key)
+                                 for v in log_verifiers(session, origin)],
+                    "service_keys": [_b64(public_raw(signer.key))],
+                    "keys": key_records(session), "selection": selection.to_json(),
+                    "records": count, "created_at": datetime.now(UTC).isoformat(),
+                }
+                statement = bundle_statement(records_sha256=digest.hexdigest(),
+                                             predicate=manifest)
+                yield header_bytes(count, sign_statement(statement, signer.key)) + b"\n"
+                spool.seek(0)
+                yield from spool

@@ -335,6 +335,25 @@ def cosigned_note(session: Session, tree_size: int) -> bytes:
     return append_signature_lines(cp.note, stored_cosignature_lines(session, tree_size))
 
 
+def export_checkpoint(session: Session, witnesses: int) -> StoredCheckpoint | None:
+    """The checkpoint an export should carry: the newest one cosigned by ``witnesses``
+    distinct witnesses (every configured one), else the newest checkpoint; its note with
+    the stored cosignature lines appended."""
+    with _cursor(session) as cur:
+        cp = None
+        if witnesses > 0:
+            cur.execute("SELECT tree_size FROM checkpoint_cosignatures GROUP BY tree_size "
+                        "HAVING count(DISTINCT witness_name) >= %s "
+                        "ORDER BY tree_size DESC LIMIT 1", (witnesses,))
+            row = cur.fetchone()
+            cp = checkpoint_at(cur, row[0]) if row else None
+        cp = cp or latest_checkpoint(cur)
+    if cp is None:
+        return None
+    note = append_signature_lines(cp.note, stored_cosignature_lines(session, cp.tree_size))
+    return StoredCheckpoint(cp.tree_size, cp.root_hash, note)
+
+
 @dataclass(frozen=True, slots=True)
 class WitnessView:
     name: str

@@ -37,10 +37,14 @@ class Signer:
     def keyid(self) -> str:
         return key_id(public_raw(self.key))
 
-    def ensure_registered(self, session: Session) -> None:
+    def ensure_registered(self, session: Session, registrar: Signer | None = None) -> None:
+        """Register this key if it is not. The service key's registration is a registry
+        leaf signed by itself; another key's is one when ``registrar`` (the service key)
+        is given."""
         if session.get(SigningKey, self.keyid) is None:
+            signer = self if self.purpose == "ledger" else registrar
             register_key(session, public_key=public_raw(self.key), purpose=self.purpose,
-                         name=self.name)
+                         name=self.name, signer=signer)
 
 
 def require_signer(signer: Signer | None, what: str) -> Signer:

@@ -1,4 +1,9 @@
-"""API keys: created with a role, shown once, stored as HMAC-SHA256(pepper, key)."""
+"""API keys: created with a role, shown once, stored as HMAC-SHA256(pepper, key).
+
+With the ledger's service key (``signer``), creation, revocation and every role change
+append a signed ``admin_event`` leaf in the same transaction (:mod:`ledger.log.registry`);
+``signer=None`` changes only the table (test provisioning), which the audit reports.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import secrets
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
@@ -15,6 +21,9 @@ from sqlalchemy.orm import Session
 
 from ledger.db.models import ApiKey
 from ledger.errors import Conflict, NotFound, Unauthorized
+
+if TYPE_CHECKING:
+    from ledger.replay.records import Signer
 
 ROLES = ("ingester", "reviewer", "auditor", "worker", "admin")
 KEY_PREFIX = "lk_"
@@ -34,7 +43,8 @@ def hash_key(key: str, pepper: str) -> bytes:
 
 
 def create_api_key(session: Session, *, name: str, role: str, pepper: str,
-                   created_by: str | None = None) -> tuple[ApiKey, str]:
+                   created_by: str | None = None,
+                   signer: Signer | None = None) -> tuple[ApiKey, str]:
     """Create a key; returns (row, the key itself). Active names are unique."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}")
@@ -49,6 +59,11 @@ def create_api_key(session: Session, *, name: str, role: str, pepper: str,
         raise Conflict(f"an active API key named {name!r} exists", code="api_key_exists",
                        name=name) from exc
     session.refresh(row)
+    if signer is not None:
+        from ledger.log.registry import api_key_event, append_admin_event
+
+        append_admin_event(session, signer, kind="api_key.created",
+                           actor=created_by or "ledger", api_key=api_key_event(row))
     return row, secret
 
 
@@ -69,7 +84,7 @@ def authenticate(session: Session, key: str, pepper: str) -> Principal:
     return Principal(str(row.id), row.name, row.role)
 
 
-def revoke_api_key(session: Session, key_id: str) -> ApiKey:
+def _locked(session: Session, key_id: str) -> ApiKey:
     try:
         kid = uuid.UUID(key_id)
     except ValueError as exc:
@@ -77,9 +92,40 @@ def revoke_api_key(session: Session, key_id: str) -> ApiKey:
     row = session.get(ApiKey, kid, with_for_update=True)
     if row is None:
         raise NotFound(f"no API key {key_id}")
+    return row
+
+
+def revoke_api_key(session: Session, key_id: str, *, signer: Signer | None = None,
+                   actor: str = "ledger") -> ApiKey:
+    row = _locked(session, key_id)
     if row.revoked_at is None:
         row.revoked_at = datetime.now(UTC)
         session.flush()
+        session.refresh(row)
+        if signer is not None:
+            from ledger.log.registry import api_key_event, append_admin_event
+
+            append_admin_event(session, signer, kind="api_key.revoked", actor=actor,
+                               api_key=api_key_event(row))
+    return row
+
+
+def change_api_key_role(session: Session, key_id: str, role: str, *,
+                        signer: Signer | None = None, actor: str = "ledger") -> ApiKey:
+    """Give an active API key another role (a registry leaf with ``signer``)."""
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}")
+    row = _locked(session, key_id)
+    if row.revoked_at is not None:
+        raise Conflict(f"API key {key_id} is revoked", code="revoked_api_key")
+    if row.role != role:
+        row.role = role
+        session.flush()
+        if signer is not None:
+            from ledger.log.registry import api_key_event, append_admin_event
+
+            append_admin_event(session, signer, kind="api_key.role_changed", actor=actor,
+                               api_key=api_key_event(row))
     return row
 
 

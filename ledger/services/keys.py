@@ -1,10 +1,18 @@
-"""Signing keys the ledger trusts: register, revoke, look up for verification."""
+"""Signing keys the ledger trusts: register, revoke, look up for verification.
+
+With the ledger's service key (``signer``), every registration and revocation also appends
+a signed ``admin_event`` leaf in the same transaction (:mod:`ledger.log.registry`): the
+registry leaves, not the table, are what ``ledger audit``, ``ledger verify --trust`` and
+the replay worker believe. ``signer=None`` changes only the table (test provisioning);
+the audit reports such rows.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -15,13 +23,18 @@ from ledger.core.keys import key_id
 from ledger.db.models import SigningKey
 from ledger.errors import Conflict, NotFound
 
+if TYPE_CHECKING:
+    from ledger.replay.records import Signer
+
 PURPOSES = ("producer", "worker", "log", "ledger")
 
 
 def register_key(session: Session, *, public_key: bytes, purpose: str, name: str,
                  not_before: datetime | None = None,
-                 not_after: datetime | None = None) -> tuple[SigningKey, bool]:
+                 not_after: datetime | None = None, signer: Signer | None = None,
+                 actor: str = "ledger") -> tuple[SigningKey, bool]:
     """Register a public key; (row, created). The same registration again is a no-op.
+    With ``signer`` (the service key) a new registration is also a registry leaf.
     Weak (small- or mixed-order), off-curve and non-canonical keys raise ``KeyError_``."""
     kid = key_id(public_key)
     check_public_key_on_registration(public_key)
@@ -41,10 +54,16 @@ def register_key(session: Session, *, public_key: bytes, purpose: str, name: str
     session.add(row)
     session.flush()
     session.refresh(row)
+    if signer is not None:
+        from ledger.log.registry import append_admin_event, key_event
+
+        append_admin_event(session, signer, kind="signing_key.registered", actor=actor,
+                           key=key_event(row))
     return row, True
 
 
-def revoke_key(session: Session, keyid: str, reason: str) -> SigningKey:
+def revoke_key(session: Session, keyid: str, reason: str, *, signer: Signer | None = None,
+               actor: str = "ledger") -> SigningKey:
     row = session.get(SigningKey, keyid, with_for_update=True)
     if row is None:
         raise NotFound(f"no signing key {keyid}")
@@ -53,7 +72,40 @@ def revoke_key(session: Session, keyid: str, reason: str) -> SigningKey:
         row.revoked_at = datetime.now(UTC)
         row.revoked_reason = reason
         session.flush()
+        if signer is not None:
+            from ledger.log.registry import append_admin_event, key_event
+
+            append_admin_event(session, signer, kind="signing_key.revoked", actor=actor,
+                               key=key_event(row))
     return row
+
+
+def attest_key(session: Session, keyid: str, *, signer: Signer,
+               actor: str = "ledger") -> int:
+    """Append the registry leaves an existing row lacks (a registration, and a revocation
+    if it is revoked): the upgrade path for keys registered before registry leaves, or
+    with ``signer=None``. An explicit act of whoever holds the service key, who vouches
+    for the row as it is now. Returns the number of leaves appended."""
+    from ledger.db.models import AdminEvent
+    from ledger.log.registry import append_admin_event, key_event
+
+    row = session.get(SigningKey, keyid, with_for_update=True)
+    if row is None:
+        raise NotFound(f"no signing key {keyid}")
+    kinds = set(session.scalars(select(AdminEvent.kind).where(AdminEvent.target == keyid)))
+    appended = 0
+    event = key_event(row)
+    if "signing_key.registered" not in kinds:
+        registered = {**event, "status": "active", "revoked_at": None,
+                      "revoked_reason": None}
+        append_admin_event(session, signer, kind="signing_key.registered", actor=actor,
+                           key=registered)
+        appended += 1
+    if row.status == "revoked" and "signing_key.revoked" not in kinds:
+        append_admin_event(session, signer, kind="signing_key.revoked", actor=actor,
+                           key=event)
+        appended += 1
+    return appended
 
 
 def list_keys(session: Session, purpose: str | None = None) -> list[SigningKey]:

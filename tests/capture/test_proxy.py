@@ -251,7 +251,10 @@ def test_every_proxied_call_is_disputed_and_reproduced(api: ApiServer, tmp_path:
             "SELECT request_id FROM envelopes WHERE request_id LIKE 'cmpl-%' "
             "OR request_id LIKE 'chatcmpl-%' ORDER BY log_index"))]
     assert len(request_ids) >= len(CASES) * 2
-    worker = ReplayWorker(settings, db, models=["tiny-demo"], signer=signer)
+    # The `api` fixture provisions keys without registry leaves and writes no trust
+    # policy; this test is about capture -> replay, so the worker trusts the database's own
+    # keys (the trust-policy paths are tests/replay/test_replay_trust.py's).
+    worker = ReplayWorker(settings, db, models=["tiny-demo"], signer=signer, insecure_dev=True)
     worker.register()
     verdicts = {}
     with api.client("reviewer") as c:

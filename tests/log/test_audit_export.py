@@ -55,6 +55,8 @@ def small_log(db_url: str, tmp_path: Path) -> Iterator[Log]:
     key_file = tmp_path / "log.pem"
     log_key = generate_private_key()
     key_file.write_bytes(private_pem(log_key))
+    service_file = tmp_path / "service.pem"  # signs export manifests
+    service_file.write_bytes(private_pem(generate_private_key()))
     signer = LogSigner(ORIGIN, log_key)
     settings = Settings(database_url=db_url)
     engine = make_engine(settings, pool_size=1)
@@ -69,7 +71,7 @@ def small_log(db_url: str, tmp_path: Path) -> Iterator[Log]:
     integrate_all(engine, signer, max_entries=1, sink=sink)
     engine.dispose()
     env = {"LEDGER_DATABASE_URL": db_url, "LEDGER_LOG_NAME": ORIGIN,
-           "LEDGER_LOG_KEY_FILE": str(key_file)}
+           "LEDGER_LOG_KEY_FILE": str(key_file), "LEDGER_SERVICE_KEY_FILE": str(service_file)}
     yield Log(db_url, db_url.replace("postgresql+psycopg://", "postgresql://"), key_file,
               tmp_path / "sink", producer, signer, rids, env)
 
@@ -183,11 +185,12 @@ def test_export_verifies_offline_and_every_flipped_byte_is_detected(
     pinned = [parse_verifier_key(vkey)]
     verify_lines(lines, pinned_log_keys=pinned)  # intact: no error
 
-    # byte positions inside the checkpoint, every DSSE envelope and every proof
+    # byte positions inside the signed manifest (header), every DSSE envelope and every
+    # proof (tests/log/test_bundle_whole.py flips bytes anywhere, under a trust policy)
     regions: list[tuple[int, int, int]] = []  # (line, start, end)
     head = lines[0]
-    cp_start = head.index(b'"checkpoint":"') + len(b'"checkpoint":"')
-    regions.append((0, cp_start, head.index(b'","log_keys"')))
+    regions.append((0, head.index(b'"manifest":') + len(b'"manifest":'),
+                    head.index(b',"records":')))
     for n, line in enumerate(lines[1:], start=1):
         d0 = line.index(b'"dsse":') + len(b'"dsse":')
         d1 = line.index(b',"inclusion_proof":')
@@ -234,8 +237,10 @@ def test_auditor_exports_over_the_api(small_log: Log, tmp_path: Path) -> None:
         _, auditor = create_api_key(s, name="auditor-x", role="auditor", pepper="")
         _, reviewer = create_api_key(s, name="reviewer-x", role="reviewer", pepper="")
     engine.dispose()
-    with run_server(small_log.db_url, extra_env={"LEDGER_LOG_NAME": ORIGIN},
-                    log_dir=tmp_path) as server:
+    with run_server(small_log.db_url, extra_env={
+            "LEDGER_LOG_NAME": ORIGIN,
+            "LEDGER_SERVICE_KEY_FILE": small_log.env["LEDGER_SERVICE_KEY_FILE"]},
+            log_dir=tmp_path) as server:
         r = httpx.get(server.base_url + "/v1/export",
                       params={"request_id": small_log.request_ids[:5]},
                       headers={"Authorization": f"Bearer {auditor}"}, timeout=60)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,11 +13,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import Engine
 
 from ledger.artifacts import artifact_hashes
-from ledger.core.keys import generate_private_key
+from ledger.core.keys import generate_private_key, public_raw
+from ledger.core.trust import TrustPolicy, format_trust_policy, load_trust_policy
 from ledger.db.session import make_engine, session_scope
 from ledger.log.signer import LogSigner
 from ledger.producer import build_statement, envelope_to_json, output_from_result, sign_statement
 from ledger.replay.records import Signer
+from ledger.services.keys import register_key
 from ledger.settings import Settings
 from tests.conftest import provision
 
@@ -87,22 +90,32 @@ class Stack:
     log_signer: LogSigner
     service: Signer
     worker_signer: Signer
+    trust: TrustPolicy
 
 
 @pytest.fixture
-def stack(db_url: str) -> Any:
-    """A migrated database with log, service and worker keys registered (in-process)."""
-    _, producer = provision(db_url)
-    settings = Settings(database_url=db_url, log_name=ORIGIN, worker_dead_after_s=30)
-    db = make_engine(settings, pool_size=4)
+def stack(db_url: str, tmp_path: Path) -> Any:
+    """A migrated database with log, service, producer and worker keys registered as
+    registry leaves, and a trust policy file naming the log and service keys (in-process)."""
+    provision(db_url)  # API keys (no registry leaves: the provisioning shortcut)
     log_signer = LogSigner(ORIGIN, generate_private_key())
     service = Signer(generate_private_key(), "ledger", "ledger-service")
     worker_signer = Signer(generate_private_key(), "worker", "test-worker")
+    producer = generate_private_key()
+    policy = tmp_path / "trust.toml"
+    policy.write_text(format_trust_policy(ORIGIN, [log_signer.public_key],
+                                          [public_raw(service.key)]))
+    settings = Settings(database_url=db_url, log_name=ORIGIN, worker_dead_after_s=30,
+                        trust_policy_file=policy)
+    db = make_engine(settings, pool_size=4)
     with session_scope(db) as s:
-        log_signer.ensure_registered(s)
         service.ensure_registered(s)
-        worker_signer.ensure_registered(s)
-    yield Stack(settings, db, producer, log_signer, service, worker_signer)
+        log_signer.ensure_registered(s, service)
+        worker_signer.ensure_registered(s, service)
+        register_key(s, public_key=public_raw(producer), purpose="producer",
+                     name="replay-gateway", signer=service)
+    yield Stack(settings, db, producer, log_signer, service, worker_signer,
+                load_trust_policy(policy))
     db.dispose()
 
 

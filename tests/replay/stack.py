@@ -19,7 +19,9 @@ import httpx
 import redis
 
 from ledger.core.keys import generate_private_key, private_pem, public_raw
+from ledger.core.trust import format_trust_policy
 from ledger.db.session import make_engine, session_scope
+from ledger.replay.records import Signer
 from ledger.services.keys import register_key
 from tests.helpers import REPO, free_port
 
@@ -142,22 +144,33 @@ def kill(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
 def replay_stack(db_url: str, tmp: Path) -> Iterator[Stack]:
     from tests.conftest import provision
 
-    api_keys, producer = provision(db_url)
+    api_keys, _ = provision(db_url)
     keyfiles = {}
     for name in ("log", "service", "worker-a", "worker-a2", "worker-b", "worker-c"):
         key = generate_private_key()
         (tmp / f"{name}.pem").write_bytes(private_pem(key))
         keyfiles[name] = key
+    # Keys are registry leaves signed by the service key, and the workers trust only the
+    # policy file (log and service key), as in production.
+    service = Signer(keyfiles["service"], "ledger", "ledger-service")
+    producer = generate_private_key()
+    (tmp / "trust.toml").write_text(format_trust_policy(
+        FAST["LEDGER_LOG_NAME"], [public_raw(keyfiles["log"])], [public_raw(service.key)]))
     db = make_engine(url=db_url, pool_size=1)
     with session_scope(db) as s:
+        service.ensure_registered(s)
         for name in ("worker-a", "worker-a2", "worker-b", "worker-c"):
-            register_key(s, public_key=public_raw(keyfiles[name]), purpose="worker", name=name)
+            register_key(s, public_key=public_raw(keyfiles[name]), purpose="worker", name=name,
+                         signer=service)
+        register_key(s, public_key=public_raw(producer), purpose="producer",
+                     name="stack-gateway", signer=service)
     db.dispose()
     redis_server = RedisServer(tmp)
     redis_server.start()
     env = {**FAST, "LEDGER_DATABASE_URL": db_url, "LEDGER_BROKER_URL": redis_server.url,
            "LEDGER_LOG_KEY_FILE": str(tmp / "log.pem"),
-           "LEDGER_SERVICE_KEY_FILE": str(tmp / "service.pem")}
+           "LEDGER_SERVICE_KEY_FILE": str(tmp / "service.pem"),
+           "LEDGER_TRUST_POLICY_FILE": str(tmp / "trust.toml")}
     stack = Stack(db_url, tmp, redis_server, env, api_keys, producer=producer)
     port = free_port()
     api = stack.spawn("serve", "--port", str(port), name="api")

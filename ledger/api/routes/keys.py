@@ -5,8 +5,9 @@ from __future__ import annotations
 import base64
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Path, Query
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy.orm import Session
 
 from ledger.api.auth import require
@@ -26,6 +27,7 @@ from ledger.core.errors import ValidationFailed
 from ledger.core.keys import parse_public_key
 from ledger.db.models import ApiKey, SigningKey
 from ledger.errors import NotFound
+from ledger.replay.records import Signer, require_signer
 from ledger.services import apikeys as apikey_service
 from ledger.services import audit
 from ledger.services import keys as key_service
@@ -36,6 +38,17 @@ router = APIRouter(prefix="/v1", responses=COMMON_RESPONSES, route_class=StrictJ
 
 KeyIdPath = Annotated[str, Path(pattern=r"^[0-9a-f]{64}$", description="hex SHA-256 of the key")]
 ApiKeyIdPath = Annotated[str, Path(max_length=64, pattern=r"^[0-9a-fA-F-]+$")]
+
+
+def registry_signer(request: Request) -> Signer:
+    """Key and API-key changes are signed registry leaves: without the service key they
+    are refused (503), never made unsigned."""
+    return require_signer(request.app.state.service_signer, "a key or API-key change")
+
+
+class ApiKeyRoleIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
 
 
 def key_out(row: SigningKey) -> dict[str, Any]:
@@ -58,7 +71,8 @@ def api_key_out(row: ApiKey) -> dict[str, Any]:
              responses={200: {"model": KeyOut, "description": "Already registered (no change)"},
                         409: COMMON_RESPONSES[400] | {"description": "Registered differently"}})
 def register_key(body: KeyIn, principal: Principal = Depends(require("keys:write")),
-                 session: Session = Depends(get_session)) -> Any:
+                 session: Session = Depends(get_session),
+                 signer: Signer = Depends(registry_signer)) -> Any:
     for field_name in ("not_before", "not_after"):
         value = getattr(body, field_name)
         if value is not None and value.tzinfo is None:
@@ -68,7 +82,8 @@ def register_key(body: KeyIn, principal: Principal = Depends(require("keys:write
     raw = parse_public_key(body.public_key)
     row, created = key_service.register_key(session, public_key=raw, purpose=body.purpose,
                                             name=body.name, not_before=body.not_before,
-                                            not_after=body.not_after)
+                                            not_after=body.not_after, signer=signer,
+                                            actor=principal.name)
     if created:
         audit.record(session, principal, "key.register", row.keyid, purpose=row.purpose,
                      name=row.name)
@@ -99,8 +114,10 @@ def get_key(keyid: KeyIdPath, _: Principal = Depends(require("keys:read")),
                      "verifiable")
 def revoke_key(keyid: KeyIdPath, body: RevokeIn,
                principal: Principal = Depends(require("keys:write")),
-               session: Session = Depends(get_session)) -> Any:
-    row = key_service.revoke_key(session, keyid, body.reason)
+               session: Session = Depends(get_session),
+               signer: Signer = Depends(registry_signer)) -> Any:
+    row = key_service.revoke_key(session, keyid, body.reason, signer=signer,
+                                 actor=principal.name)
     audit.record(session, principal, "key.revoke", keyid, reason=body.reason)
     session.commit()
     return key_out(row)
@@ -110,10 +127,12 @@ def revoke_key(keyid: KeyIdPath, body: RevokeIn,
              responses={409: COMMON_RESPONSES[400] | {"description": "Name in use"}})
 def create_api_key(body: ApiKeyIn, principal: Principal = Depends(require("apikeys:admin")),
                    session: Session = Depends(get_session),
-                   settings: Settings = Depends(get_settings_dep)) -> Any:
+                   settings: Settings = Depends(get_settings_dep),
+                   signer: Signer = Depends(registry_signer)) -> Any:
     row, secret = apikey_service.create_api_key(
         session, name=body.name, role=body.role,
-        pepper=settings.api_key_pepper.get_secret_value(), created_by=principal.name)
+        pepper=settings.api_key_pepper.get_secret_value(), created_by=principal.name,
+        signer=signer)
     audit.record(session, principal, "api_key.create", str(row.id), name=row.name,
                  role=row.role)
     session.commit()
@@ -128,9 +147,26 @@ def list_api_keys(_: Principal = Depends(require("apikeys:admin")),
 
 @router.post("/api-keys/{key_id}/revoke", response_model=ApiKeyOut, tags=["api-keys"])
 def revoke_api_key(key_id: ApiKeyIdPath, principal: Principal = Depends(require("apikeys:admin")),
-                   session: Session = Depends(get_session)) -> Any:
-    row = apikey_service.revoke_api_key(session, key_id)
+                   session: Session = Depends(get_session),
+                   signer: Signer = Depends(registry_signer)) -> Any:
+    row = apikey_service.revoke_api_key(session, key_id, signer=signer, actor=principal.name)
     audit.record(session, principal, "api_key.revoke", key_id)
+    session.commit()
+    return api_key_out(row)
+
+
+@router.post("/api-keys/{key_id}/role", response_model=ApiKeyOut, tags=["api-keys"],
+             summary="Give an active API key another role (a signed registry leaf)")
+def change_api_key_role(key_id: ApiKeyIdPath, body: ApiKeyRoleIn,
+                        principal: Principal = Depends(require("apikeys:admin")),
+                        session: Session = Depends(get_session),
+                        signer: Signer = Depends(registry_signer)) -> Any:
+    if body.role not in apikey_service.ROLES:
+        raise ValidationFailed(f"role must be one of {', '.join(apikey_service.ROLES)}",
+                               code="bad_role")
+    row = apikey_service.change_api_key_role(session, key_id, body.role, signer=signer,
+                                             actor=principal.name)
+    audit.record(session, principal, "api_key.role_change", key_id, role=body.role)
     session.commit()
     return api_key_out(row)
 

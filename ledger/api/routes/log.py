@@ -202,7 +202,11 @@ def export_bundle(
     selection = Selection(recorded_after, recorded_before, model_sha256, fingerprint_id,
                           tuple(request_id or ()), limit)
     audit.record(session, principal, "export", None, selection=selection.to_json())
-    lines = bundle_lines(request.app.state.engine, selection)
+    from ledger.replay.records import require_signer
+
+    lines = bundle_lines(request.app.state.engine, selection,
+                         require_signer(request.app.state.service_signer,
+                                        "an export (its manifest is signed)"))
     first = next(lines)  # errors (no checkpoint yet) surface as problems, not broken streams
     session.commit()
     return StreamingResponse(itertools.chain([first], lines), media_type="application/x-ndjson",
