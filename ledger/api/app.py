@@ -251,6 +251,12 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
                     app.state.service_signer.ensure_registered(session)
             except Exception as exc:  # noqa: BLE001 - the database may be down at start-up
                 log.warning("could not register the service key yet: %s", exc)
+        warm = getattr(app.state.publisher, "warm", None)
+        if warm is not None:
+            try:
+                warm()
+            except Exception as exc:  # noqa: BLE001 - the first publish then pays for it
+                log.warning("could not prepare the broker publisher: %s", exc)
         integrator = start_integrator(settings, engine)
         app.state.integrator = integrator
         listener = MetricsListener(settings.metrics_host, settings.metrics_port).start() \
