@@ -120,8 +120,11 @@ def main() -> None:
                      f"p50 {pct(cons_lat, 50) * 1e3:.2f} ms",
                      f"p99 {pct(cons_lat, 99) * 1e3:.2f} ms"])
 
-        with run_server(url, extra_env={"LEDGER_LOG_NAME": signer.origin}) as server, \
-                httpx.Client(base_url=server.base_url) as http:
+        keys, producer = provision(url)
+        with run_server(url, extra_env={"LEDGER_LOG_NAME": signer.origin,
+                                        "LEDGER_METRICS_PORT": "0"}) as server, \
+                httpx.Client(base_url=server.base_url,  # /v1/log/proof needs a reading role
+                             headers={"Authorization": f"Bearer {keys['reviewer']}"}) as http:
             for name, path, param in (("inclusion", "/v1/log/proof", "index"),
                                       ("consistency", "/v1/log/consistency", "from")):
                 lat = []
@@ -136,7 +139,6 @@ def main() -> None:
                              f"p99 {pct(lat, 99) * 1e3:.2f} ms"])
 
         # offline verification of bundles of real signed envelopes, two sizes
-        keys, producer = provision(url)
         settings = Settings(database_url=url, log_name=signer.origin)
         env = {**os.environ, "LEDGER_DATABASE_URL": url, "LEDGER_LOG_NAME": signer.origin}
         for prompt_len, output_len, model in ((512, 128, "5a" * 32), (32, 8, "5b" * 32)):

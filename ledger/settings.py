@@ -134,6 +134,20 @@ class Settings(BaseSettings):
     max_token_id: int = 16_777_215                   # 2**24 - 1: larger than any real vocab
     max_top_logprobs: int = 20
 
+    # --- broker timeouts and the metrics listener ----------------------------------------
+    broker_publish_timeout_s: float = Field(
+        default=0.1, gt=0, le=30, description="Connect + send limit of the API's publish of "
+        "a dispute's job after commit; a job that misses it stays in the outbox and "
+        "`ledger beat`'s sweeper delivers it (a request never waits on a broker that is "
+        "down).")
+    metrics_port: int = Field(
+        default=9464, ge=0, le=65535, description="Port of the Prometheus `/metrics` "
+        "listener of `ledger serve`, apart from the API (0: none). With several server "
+        "processes one of them holds it and reports the sum over all.")
+    metrics_host: str = Field(
+        default="127.0.0.1", description="Interface of the metrics listener; loopback by "
+        "default, so only a scraper on the host (or a sidecar) reads it.")
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:

@@ -21,7 +21,7 @@ from ledger.core.keys import generate_private_key, private_pem, public_raw
 from ledger.db.session import make_engine, session_scope, upgrade
 from ledger.services.apikeys import ROLES, create_api_key
 from ledger.services.keys import register_key
-from tests.helpers import ApiServer, run_server
+from tests.helpers import ApiServer, free_port, run_server
 
 ADMIN_PG = os.environ.get("LEDGER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -99,7 +99,9 @@ def api(module_db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     """A real `ledger serve` process on a module database, with keys for every role."""
     keys, producer = provision(module_db_url)
     logs = tmp_path_factory.mktemp("logs")
-    env = {"LEDGER_BROKER_URL": "redis://127.0.0.1:6379/15"}
+    metrics_port = free_port()
+    env = {"LEDGER_BROKER_URL": "redis://127.0.0.1:6379/15",
+           "LEDGER_METRICS_PORT": str(metrics_port)}
     for name in ("log", "service"):
         path = logs / f"{name}.pem"
         path.write_bytes(private_pem(generate_private_key()))
@@ -108,6 +110,7 @@ def api(module_db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         server.keys = keys
         server.producer = producer  # type: ignore[attr-defined]
         server.db_url = module_db_url  # type: ignore[attr-defined]
+        server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # type: ignore[attr-defined]
         yield server
     # jobs published for fingerprints nobody consumes here: leave the broker as found
     import redis

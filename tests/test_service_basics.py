@@ -38,10 +38,23 @@ def test_health_ready_metrics_openapi(api: ApiServer) -> None:
     with api.client("ingester") as c:
         c.post("/v1/envelopes", json=signed(statement(), api.producer))  # type: ignore[attr-defined]
         c.post("/v1/envelopes", content=b"{broken", headers={"Content-Type": "application/json"})
-    text = httpx.get(api.base_url + "/metrics").text
+    assert httpx.get(api.base_url + "/metrics").status_code == 404  # not on the API port
+    text = _metrics(api.metrics_url)  # type: ignore[attr-defined]
     assert 'ledger_envelopes_ingested_total{outcome="created"}' in text
     assert 'ledger_ingest_rejections_total{reason="malformed_json"}' in text
     assert "ledger_http_request_duration_seconds_bucket" in text
+
+
+def _metrics(url: str) -> str:
+    """The metrics listener starts with the server; give it a moment to bind."""
+    import time
+
+    for _ in range(50):
+        try:
+            return httpx.get(url).text
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    return httpx.get(url).text
 
 
 def test_readyz_is_503_when_migrations_are_pending(db_url: str, tmp_path) -> None:

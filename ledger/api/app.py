@@ -3,12 +3,16 @@
 Errors become RFC 9457 problem+json in one place: every :class:`LedgerError` through
 :func:`ledger.problems.problem_for`, request validation as 422, a lost database as 503
 with ``Retry-After``. Bodies over the configured limit are refused with 413 before they
-are read into memory.
+are read into memory. Every route refuses query parameters it does not declare (400,
+:func:`ledger.api.deps.reject_unknown_query`). Prometheus metrics are served apart from
+the API, on ``LEDGER_METRICS_HOST:LEDGER_METRICS_PORT`` (loopback by default).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,7 +20,7 @@ from typing import Any
 
 import orjson
 import psycopg
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from sqlalchemy import Engine
@@ -26,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ledger import __version__, metrics
+from ledger.api.deps import UnknownQueryParameters, reject_unknown_query
 from ledger.api.links import add_links
 from ledger.api.routes import envelopes, health, keys
 from ledger.api.routes import log as log_routes
@@ -61,10 +66,10 @@ class BodyLimitAndMetrics:
     of declared request bodies at once; beyond that it answers 503 with ``Retry-After``
     before reading the body, so a burst far above capacity costs a short reply each, and
     memory stays bounded, instead of a queue that grows until the process falls over.
-    Health, readiness and metrics are never shed.
+    Health and readiness are never shed.
     """
 
-    UNSHED = (b"/healthz", b"/readyz", b"/metrics")
+    UNSHED = (b"/healthz", b"/readyz")
 
     def __init__(self, app: ASGIApp, max_body: int, max_inflight: int = 64,
                  max_inflight_bytes: int = 256 * 1024 * 1024) -> None:
@@ -158,6 +163,64 @@ class _BodyTooLarge(Exception):
     pass
 
 
+UNKNOWN_QUERY_400 = ("Malformed request, or a query parameter this operation does not "
+                     "declare (`unknown_query_parameter`; `parameters` names them)")
+
+
+def _document_closed_query(schema: dict[str, Any]) -> None:
+    """Every operation may answer 400 for an undeclared query parameter: say so."""
+    content = {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}
+    for ops in schema.get("paths", {}).values():
+        for op in ops.values():
+            if not isinstance(op, dict) or "responses" not in op:
+                continue
+            resp = op["responses"].setdefault("400", {"content": content})
+            resp["description"] = UNKNOWN_QUERY_400
+            resp.setdefault("content", content)
+
+
+class MetricsListener:
+    """The Prometheus ``/metrics`` listener, on its own port so that the API's port (and
+    its API keys) never serve it. Every server process tries to bind the port; the one
+    that gets it serves the sum over all processes (prometheus-client's multiprocess mode,
+    set up by ``ledger serve --workers N``), the others retry every few seconds, so one of
+    them takes over when the holder exits."""
+
+    def __init__(self, host: str, port: int, retry_s: float = 2.0) -> None:
+        self.host, self.port, self.retry_s = host, port, retry_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ledger-metrics", daemon=True)
+        self.serving = threading.Event()
+
+    def start(self) -> MetricsListener:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+        from prometheus_client import multiprocess as prom_multiprocess
+
+        registry = REGISTRY
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by `ledger serve --workers N`
+            registry = CollectorRegistry()
+            prom_multiprocess.MultiProcessCollector(registry)
+        while not self._stop.is_set():
+            try:
+                server, _ = start_http_server(self.port, addr=self.host, registry=registry)
+            except OSError:  # another server process holds it (or it is taken)
+                self._stop.wait(self.retry_s)
+                continue
+            self.serving.set()
+            self._stop.wait()
+            server.shutdown()
+            server.server_close()
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
 def start_integrator(settings: Settings, engine: Engine,
                      registrar: Signer | None = None) -> IntegratorThread | None:
     """Run the integrator in this API process when it holds the log key (processes take
@@ -189,13 +252,24 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
                     app.state.service_signer.ensure_registered(session)
             except Exception as exc:  # noqa: BLE001 - the database may be down at start-up
                 log.warning("could not register the service key yet: %s", exc)
+        warm = getattr(app.state.publisher, "warm", None)
+        if warm is not None:
+            try:
+                warm()
+            except Exception as exc:  # noqa: BLE001 - the first publish then pays for it
+                log.warning("could not prepare the broker publisher: %s", exc)
         integrator = start_integrator(settings, engine, app.state.service_signer)
         app.state.integrator = integrator
+        listener = MetricsListener(settings.metrics_host, settings.metrics_port).start() \
+            if settings.metrics_port else None
+        app.state.metrics_listener = listener
         try:
             yield
         finally:
             if integrator is not None:
                 integrator.stop()
+            if listener is not None:
+                listener.stop()
 
     app = FastAPI(
         lifespan=lifespan,
@@ -204,13 +278,15 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
         summary="Signed execution envelopes in a tamper-evident transparency log, "
                 "with bitwise replay verification.",
         openapi_url="/openapi.json",
+        dependencies=[Depends(reject_unknown_query)],
     )
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessionmaker = session_factory(engine)
     app.state.service_signer = Signer.from_file(settings.service_key_file, "ledger",
                                                 "ledger-service")
-    app.state.publisher = publisher if publisher is not None else CeleryPublisher(settings)
+    app.state.publisher = publisher if publisher is not None else CeleryPublisher(
+        settings, timeout_s=settings.broker_publish_timeout_s)
 
     @app.exception_handler(LedgerError)
     async def ledger_error(_: Request, exc: LedgerError) -> Response:
@@ -219,7 +295,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
             headers = {"Retry-After": str(exc.retry_after)}
         elif status_for(exc) == 401:
             headers = {"WWW-Authenticate": "Bearer"}
-        return _problem_response(problem_for(exc), headers)
+        body = problem_for(exc)
+        if isinstance(exc, UnknownQueryParameters):
+            body["parameters"] = exc.parameters
+        return _problem_response(body, headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> Response:
@@ -292,6 +371,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
                 comps[name] = getattr(s, name).model_json_schema(
                     ref_template="#/components/schemas/{model}")
                 comps.update(comps[name].pop("$defs", {}))
+        _document_closed_query(schema)
         app.openapi_schema = add_links(schema)
         return app.openapi_schema
 

@@ -2,6 +2,12 @@
 
 Every route names one permission; :data:`PERMISSIONS` says which roles hold it. The
 role-matrix test walks every route with every role against this table.
+
+Least privilege: a role holds only what its component does over the API. A replay worker
+reads its jobs, envelopes and proofs from the database, never over the API, so the
+``worker`` role reads no envelopes, proofs or log entries here. Whatever lists request or
+dispute IDs (envelope search, disputes, log entries by index) needs a reading role; the
+C2SP tlog-tiles paths (``/log/...``) stay public, as that spec expects (docs/deployment.md).
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ ALL_ROLES = frozenset({"ingester", "reviewer", "auditor", "worker", "admin"})
 
 PERMISSIONS: dict[str, frozenset[str]] = {
     "envelopes:write": frozenset({"ingester"}),
-    "envelopes:read": frozenset({"reviewer", "auditor", "worker", "admin"}),
+    "envelopes:read": frozenset({"reviewer", "auditor", "admin"}),
+    "log:read": frozenset({"reviewer", "auditor", "admin"}),
     "keys:read": ALL_ROLES,
     "keys:write": frozenset({"admin"}),
     "apikeys:admin": frozenset({"admin"}),

@@ -24,7 +24,11 @@ class Publisher(Protocol):
     def publish(self, job_id: str, fingerprint_id: str) -> None: ...
 
 
-def make_celery(settings: Settings) -> Celery:
+def make_celery(settings: Settings, *, publish_timeout_s: float | None = None) -> Celery:
+    """The Celery app of workers, beat and publishers. ``publish_timeout_s`` bounds a
+    publish (connect and send, no retries) for callers that must not wait on the broker:
+    the API, which leaves an undelivered job to the sweeper."""
+    transport: dict[str, object] = {"visibility_timeout": settings.replay_visibility_timeout_s}
     app = Celery("inference-ledger", broker=settings.broker_url)
     app.conf.update(
         task_acks_late=True,                    # ack after the replay, not before
@@ -32,24 +36,45 @@ def make_celery(settings: Settings) -> Celery:
         worker_prefetch_multiplier=1,           # a worker holds one job at a time
         task_ignore_result=True,                # results live in Postgres
         task_default_queue="replay.unrouted",
-        broker_transport_options={"visibility_timeout": settings.replay_visibility_timeout_s},
+        broker_transport_options=transport,
         broker_connection_retry_on_startup=True,
         broker_connection_timeout=5,
         worker_hijack_root_logger=False,
         worker_send_task_events=False,
     )
+    if publish_timeout_s is not None:
+        transport.update(socket_connect_timeout=publish_timeout_s,
+                         socket_timeout=publish_timeout_s, retry_on_timeout=False,
+                         max_retries=0)
+        app.conf.update(broker_connection_timeout=publish_timeout_s,
+                        broker_connection_retry=False, broker_connection_max_retries=0,
+                        broker_pool_limit=4)
     return app
 
 
 @lru_cache(maxsize=4)
-def _celery_for(broker_url: str, visibility: int) -> Celery:
-    return make_celery(Settings(broker_url=broker_url, replay_visibility_timeout_s=visibility))
+def _celery_for(broker_url: str, visibility: int, publish_timeout_s: float | None) -> Celery:
+    return make_celery(Settings(broker_url=broker_url, replay_visibility_timeout_s=visibility),
+                       publish_timeout_s=publish_timeout_s)
 
 
 class CeleryPublisher:
-    def __init__(self, settings: Settings) -> None:
-        self.app = _celery_for(settings.broker_url, settings.replay_visibility_timeout_s)
+    """Publishes jobs to ``replay.<fingerprint_id>``. With ``timeout_s`` a publish fails
+    (raises) within about that long when the broker is down instead of retrying."""
+
+    def __init__(self, settings: Settings, *, timeout_s: float | None = None) -> None:
+        self.app = _celery_for(settings.broker_url, settings.replay_visibility_timeout_s,
+                               timeout_s)
         self.expires = settings.replay_expires_s
+        self.timeout_s = timeout_s
+
+    def warm(self) -> None:
+        """Build Celery's publishing machinery (imports, the producer pool, the Redis
+        transport) without connecting, so that the first publish costs what the others do
+        (it is 0.1-0.5 s otherwise: longer than the publish timeout itself)."""
+        self.app.loader.import_default_modules()
+        with self.app.producer_or_acquire() as producer:
+            _ = producer.connection.transport, self.app.amqp.router
 
     def publish(self, job_id: str, fingerprint_id: str) -> None:
         self.app.send_task(TASK_REPLAY, args=[job_id], queue=replay_queue(fingerprint_id),

@@ -2,9 +2,10 @@
 
 A job belongs to one fingerprint and is published to the queue ``replay.<fingerprint_id>``
 that only workers with exactly that runtime consume. Postgres is the outbox: a job is
-created in the transaction that needs it, published after commit, and the sweeper
-(``ledger beat``, and the API after each commit) re-publishes whatever was not published,
-not started in time, or held by a worker that stopped heartbeating. Attempts are counted
+created in the transaction that needs it; after commit the API publishes that job alone
+(:func:`publish`, with a short broker timeout: a request never waits on a broker that is
+down), and the sweeper (``ledger beat``) publishes whatever was not published, not started
+in time, or held by a worker that stopped heartbeating. Attempts are counted
 when a worker claims a job; past ``max_attempts`` the job is poisoned instead of run.
 """
 
@@ -140,18 +141,28 @@ def sweep(engine: Engine, publisher: Publisher | None, settings: Settings,
         # disputes opened but not yet routed (their job row is written in the same
         # transaction, so this only catches events the API could not sign at the time)
     if publisher is not None:
-        for job_id, fp in to_publish:
-            try:
-                publisher.publish(job_id, fp)
-            except Exception as exc:  # noqa: BLE001 - broker down: the next sweep retries
-                log.warning("could not publish job %s: %s", job_id, exc)
-                continue
-            with session_scope(engine) as session:
-                session.execute(update(ReplayJob).where(
-                    ReplayJob.id == uuid.UUID(job_id), ReplayJob.state == "queued").values(
-                    published_at=datetime.now(UTC)))
-            report.published.append(job_id)
+        report.published.extend(publish(engine, publisher, to_publish))
     return report
+
+
+def publish(engine: Engine, publisher: Publisher,
+            jobs: Sequence[tuple[str, str]]) -> list[str]:
+    """Publish ``jobs`` (job ID, fingerprint ID) and stamp ``published_at`` on each that got
+    through; returns their IDs. One that does not (broker down) is logged and left as it is:
+    still unpublished in the outbox, so the sweeper delivers it later."""
+    published: list[str] = []
+    for job_id, fp in jobs:
+        try:
+            publisher.publish(job_id, fp)
+        except Exception as exc:  # noqa: BLE001 - broker down: the next sweep retries
+            log.warning("could not publish job %s: %s", job_id, exc)
+            continue
+        with session_scope(engine) as session:
+            session.execute(update(ReplayJob).where(
+                ReplayJob.id == uuid.UUID(job_id), ReplayJob.state == "queued").values(
+                published_at=datetime.now(UTC)))
+        published.append(job_id)
+    return published
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import json
 from datetime import UTC, datetime, timedelta
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from ledger.core.keys import public_raw
 from tests.api.test_ingest import counts
 from tests.helpers import ApiServer, signed, statement
 
@@ -62,9 +66,15 @@ def test_batch_shape_errors(api: ApiServer) -> None:
 
 
 def test_search_filters_and_cursor_pagination(api: ApiServer) -> None:
-    key = api.producer  # type: ignore[attr-defined]
     model = "cd" * 32
     base = datetime.now(UTC) - timedelta(days=3)
+    # envelopes dated days back need a key valid since then (recorded_before_key_valid)
+    key = Ed25519PrivateKey.generate()
+    with api.client("admin") as admin:
+        assert admin.post("/v1/keys", json={
+            "public_key": base64.b64encode(public_raw(key)).decode(), "purpose": "producer",
+            "name": "search-backfill", "not_before": (base - timedelta(days=1)).isoformat()}
+        ).status_code == 201
     runtime_bf16 = {"engine": "reference", "engine_version": "0.1.0", "device": "cpu",
                     "dtype": "bfloat16", "batch_invariant": True}
     envs = []

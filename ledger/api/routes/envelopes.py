@@ -73,10 +73,15 @@ def _count(results: list[ingest_service.ItemResult]) -> None:
 
 
 def _ingest_sync(session: Session, items: list[Any], settings: Settings,
-                 atomic: bool) -> list[ingest_service.ItemResult]:
-    results = ingest_service.ingest(session, items, settings, atomic=atomic)
-    session.commit()
-    return results
+                 atomic: bool) -> ingest_service.IngestReport:
+    """The service decides; this boundary commits what it stored or rolls back a
+    rejected atomic batch (the service wrote nothing then)."""
+    report = ingest_service.ingest_batch(session, items, settings, atomic=atomic)
+    if report.outcome is ingest_service.BatchOutcome.REJECTED:
+        session.rollback()
+    else:
+        session.commit()
+    return report
 
 
 async def _read_capped(request: Request, limit: int) -> bytes:
@@ -120,9 +125,9 @@ async def ingest_one(
 ) -> Response:
     body = await _read_capped(request, settings.max_envelope_bytes)
     metrics.BATCH_SIZE.observe(1)
-    results = await run_in_threadpool(_ingest_sync, session, [body], settings, False)
-    _count(results)
-    r = results[0]
+    report = await run_in_threadpool(_ingest_sync, session, [body], settings, False)
+    _count(report.results)
+    r = report.results[0]
     if r.error is not None:
         raise r.error
     if r.status == 409:
@@ -173,11 +178,19 @@ async def _receipts(request: Request, session: Session, indices: list[int],
     description=(
         "Each item is verified and validated on its own. By default the valid items are "
         "stored together in one transaction and invalid ones are reported per item "
-        "(`status` 4xx with a `problem`). With `atomic=true` any invalid item rejects the "
-        "whole batch with 422 and nothing is written. Repeats of stored envelopes (same "
-        "bytes) are `existing`; other bytes under a stored request_id are `conflict` (409)."),
+        "(`status` 4xx with a `problem`). Every item is held to the single-envelope limits "
+        "(an item over `max_envelope_bytes` is `status` 413). Repeats of stored envelopes "
+        "(same bytes) are `existing`; other bytes under a stored request_id are `conflict` "
+        "(409). With `atomic=true` any failed item, a conflict included, rejects the whole "
+        "batch and nothing is written: a `batch_rejected` problem (409, 413 or 422) names "
+        "the failed positions and carries the per-item results."),
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/BatchIn"}}}}},
+    responses={409: {"description": "Atomic batch rejected: request_id conflicts only",
+                     "content": COMMON_RESPONSES[400]["content"]},
+               413: {"description": "Too many items, or an atomic batch rejected for "
+                                    "oversized items only",
+                     "content": COMMON_RESPONSES[400]["content"]}},
 )
 async def ingest_batch(
     request: Request,
@@ -201,15 +214,12 @@ async def ingest_batch(
         raise ValidationFailed(f"batch holds {len(items)} envelopes; the limit is "
                                f"{settings.max_batch_items}", code="too_many_items")
     metrics.BATCH_SIZE.observe(len(items))
-    results = await run_in_threadpool(_ingest_sync, session, items, settings, atomic)
+    report = await run_in_threadpool(_ingest_sync, session, items, settings, atomic)
+    results = report.results
     _count(results)
     dicts = [_result_dict(r) for r in results]
-    if atomic and any(r.status >= 400 for r in results):
-        failed = [d for d in dicts if d["status"] not in (424,)]
-        body_out = problem(422, "batch_rejected",
-                           f"{len(failed)} of {len(items)} envelopes are invalid; "
-                           "nothing was stored (atomic batch)", results=dicts)
-        return Response(orjson.dumps(body_out), status_code=422, media_type=MEDIA_TYPE)
+    if report.outcome is ingest_service.BatchOutcome.REJECTED:
+        return _rejected_batch(report, dicts)
     stored = [(d, r.log_index) for d, r in zip(dicts, results, strict=True)
               if r.status in (200, 201) and r.log_index is not None]
     if wait and stored:
@@ -224,6 +234,23 @@ async def ingest_batch(
         "results": dicts,
     }
     return Response(orjson.dumps(summary), media_type="application/json")
+
+
+def _rejected_batch(report: ingest_service.IngestReport,
+                    dicts: list[dict[str, Any]]) -> Response:
+    """An atomic batch that stored nothing: one problem naming every failed item. Its
+    status is the failed items' own when they agree (409 for conflicts only, 413 for
+    oversized items only), 422 otherwise."""
+    failed = report.failed
+    statuses = {f.status for f in failed}
+    status = statuses.pop() if len(statuses) == 1 else 422
+    named = ", ".join(f"#{f.position}" + (f" ({f.request_id})" if f.request_id else "") +
+                      f": {f.error.code if f.error else f.outcome}" for f in failed[:20])
+    body_out = problem(status, "batch_rejected",
+                       f"{len(failed)} of {len(report.results)} envelopes failed ({named}); "
+                       "nothing was stored (atomic batch)",
+                       failed_positions=[f.position for f in failed], results=dicts)
+    return Response(orjson.dumps(body_out), status_code=status, media_type=MEDIA_TYPE)
 
 
 @router.get("/envelopes/{request_id}", response_model=EnvelopeOut,

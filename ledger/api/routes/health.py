@@ -1,15 +1,15 @@
-"""/healthz (process up), /readyz (database reachable, migrations at head), /metrics."""
+"""/healthz (process up), /readyz (database reachable, migrations at head).
+
+Prometheus metrics are not served here: ``ledger.api.app.MetricsListener`` serves them on
+their own port (``LEDGER_METRICS_PORT``, loopback by default)."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client import multiprocess as prom_multiprocess
+from fastapi.responses import JSONResponse
 
 from ledger.db.session import current_revision, head_revision
 from ledger.problems import MEDIA_TYPE, problem
@@ -43,14 +43,3 @@ async def readyz(request: Request) -> Any:
         return JSONResponse(body, status_code=503, media_type=MEDIA_TYPE,
                             headers={"Retry-After": "5"})
     return {"status": "ready", "revision": current}
-
-
-@router.get("/metrics", summary="Prometheus metrics", response_class=Response)
-def metrics_endpoint() -> Response:
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by `ledger serve --workers N`
-        registry = CollectorRegistry()
-        prom_multiprocess.MultiProcessCollector(registry)
-        data = generate_latest(registry)
-    else:
-        data = generate_latest()
-    return Response(data, media_type=CONTENT_TYPE_LATEST)

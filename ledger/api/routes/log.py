@@ -2,8 +2,9 @@
 
 - ``/log/checkpoint`` and ``/log/tile/...``: the C2SP tlog-tiles read paths (public), so
   tooling written for Tessera and the Go checksum database reads this log as it is.
-- ``/v1/log/checkpoint``, ``/v1/log/consistency``, ``/v1/envelopes/{request_id}/proof``:
-  the same data as JSON.
+- ``/v1/log/checkpoint``, ``/v1/log/consistency`` (public), ``/v1/log/proof`` and
+  ``/v1/envelopes/{request_id}/proof`` (a reading role: they name request and dispute
+  IDs): the same data as JSON.
 
 Entries are small reference records (kind, ref, DSSE digest), never prompts, so the log
 itself can be public; envelopes stay behind the API's roles.
@@ -158,6 +159,7 @@ def entry_proof(
     index: int = Query(..., ge=0, le=2**62),
     tree_size: int | None = Query(None, ge=1, le=2**62,
                                   description="a checkpointed size; default the latest"),
+    _: Principal = Depends(require("log:read")),  # the entry names a request or dispute
     session: Session = Depends(get_session),
 ) -> dict[str, Any]:
     return proofs.inclusion(session, index, tree_size).to_json()

@@ -96,15 +96,15 @@ def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode()
 
 
-def _publish(request: Request, jobs: list[ReplayJob]) -> None:
-    """After commit: publish queued jobs now; the sweeper covers anything that fails."""
-    settings: Settings = request.app.state.settings
+def _publish(request: Request, jobs: list[tuple[str, str]]) -> None:
+    """After commit: publish these jobs (job ID, fingerprint ID) and only these, with the
+    publisher's short broker timeout. One that does not get through stays unpublished in
+    the outbox, and ``ledger beat``'s sweeper delivers it: the request never waits on the
+    broker, nor on other requests' jobs."""
     publisher = request.app.state.publisher
-    if publisher is None:
+    if publisher is None or not jobs:
         return
-    job_service.sweep(request.app.state.engine, publisher, settings,
-                      request.app.state.service_signer, actor="ledger")
-    del jobs
+    job_service.publish(request.app.state.engine, publisher, jobs)
 
 
 def _proof_or_none(session: Session, index: int | None) -> dict[str, Any] | None:
@@ -188,9 +188,12 @@ def open_dispute(
                              state_reason=job.state_reason)
         audit.record(session, principal, "dispute.open", str(dispute.id),
                      request_id=body.request_id)
+    # a job waiting for a worker is routed by the sweeper once one is live
+    to_publish = [(str(job.id), job.fingerprint_id)] if job is not None and \
+        job.state == "queued" else []
     session.commit()
     if job is not None:
-        _publish(request, [job])
+        _publish(request, to_publish)
         session.refresh(dispute)
     return JSONResponse(_json(dispute_out(session, dispute)), status_code=201 if created else 200)
 
