@@ -102,6 +102,15 @@ class Settings(BaseSettings):
     max_token_id: int = 16_777_215                   # 2**24 - 1: larger than any real vocab
     max_top_logprobs: int = 20
 
+    # --- least privilege (docs/deployment.md, "Database roles") -------------------------
+    database_password_file: Path | None = Field(
+        default=None, description="A file holding the database password (a mounted secret); "
+        "it replaces any password in LEDGER_DATABASE_URL, so the URL itself carries none.")
+    insecure_dev: bool = Field(
+        default=False, description="Development only: let `ledger serve`, `beat` and "
+        "`worker` start as a superuser or the schema owner, or without the pepper or "
+        "private key they need (they refuse to otherwise). `ledger demo` turns it on.")
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:

@@ -21,7 +21,7 @@ import redis
 from ledger.core.keys import generate_private_key, private_pem, public_raw
 from ledger.db.session import make_engine, session_scope
 from ledger.services.keys import register_key
-from tests.helpers import REPO, free_port
+from tests.helpers import REPO, component_env, free_port
 
 FAST = {  # timings scaled down for tests; production defaults are in ledger/settings.py
     "LEDGER_INTEGRATE_INTERVAL_MS": "50",
@@ -82,8 +82,9 @@ class Stack:
     def spawn(self, *args: str, env: dict[str, str] | None = None,
               name: str = "proc") -> subprocess.Popen[bytes]:
         log = (self.tmp / f"{name}-{len(self.procs)}.log").open("wb")
+        run_env = component_env(list(args), {**self.env, **(env or {})})  # its own login
         proc = subprocess.Popen([sys.executable, "-m", "ledger.cli.main", *args], cwd=REPO,
-                                env={**os.environ, **self.env, **(env or {})}, stdout=log,
+                                env={**os.environ, **run_env}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
         return proc
@@ -152,6 +153,11 @@ def replay_stack(db_url: str, tmp: Path) -> Iterator[Stack]:
     with session_scope(db) as s:
         for name in ("worker-a", "worker-a2", "worker-b", "worker-c"):
             register_key(s, public_key=public_raw(keyfiles[name]), purpose="worker", name=name)
+        # the beat may not register keys (only the API's admin paths may): an admin does
+        register_key(s, public_key=public_raw(keyfiles["log"]), purpose="log",
+                     name=FAST["LEDGER_LOG_NAME"])
+        register_key(s, public_key=public_raw(keyfiles["service"]), purpose="ledger",
+                     name="ledger-service")
     db.dispose()
     redis_server = RedisServer(tmp)
     redis_server.start()
