@@ -108,13 +108,20 @@ BEGIN
   RETURN NEW;
 END $$;
 
-CREATE FUNCTION ledger_revocation_is_final() RETURNS trigger LANGUAGE plpgsql AS $$
+CREATE FUNCTION ledger_api_key_revocation_is_final() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-  IF (TG_TABLE_NAME = 'api_keys' AND OLD.revoked_at IS NOT NULL
-        AND NEW.revoked_at IS DISTINCT FROM OLD.revoked_at)
-     OR (TG_TABLE_NAME = 'signing_keys' AND OLD.status = 'revoked'
-        AND (NEW.status <> 'revoked' OR NEW.revoked_at IS DISTINCT FROM OLD.revoked_at)) THEN
-    RAISE EXCEPTION 'inference-ledger: a revoked key stays revoked (%)', TG_TABLE_NAME
+  IF OLD.revoked_at IS NOT NULL AND NEW.revoked_at IS DISTINCT FROM OLD.revoked_at THEN
+    RAISE EXCEPTION 'inference-ledger: a revoked API key stays revoked'
+      USING ERRCODE = 'insufficient_privilege';
+  END IF;
+  RETURN NEW;
+END $$;
+
+CREATE FUNCTION ledger_key_revocation_is_final() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  IF OLD.status = 'revoked' AND (NEW.status <> 'revoked'
+       OR NEW.revoked_at IS DISTINCT FROM OLD.revoked_at) THEN
+    RAISE EXCEPTION 'inference-ledger: a revoked signing key stays revoked'
       USING ERRCODE = 'insufficient_privilege';
   END IF;
   RETURN NEW;
@@ -142,9 +149,9 @@ CREATE CONSTRAINT TRIGGER checkpoints_match_tree AFTER INSERT ON checkpoints
 CREATE TRIGGER log_tree_only_grows BEFORE UPDATE ON log_tree
   FOR EACH ROW EXECUTE FUNCTION ledger_tree_only_grows();
 CREATE TRIGGER api_keys_revocation_final BEFORE UPDATE ON api_keys
-  FOR EACH ROW EXECUTE FUNCTION ledger_revocation_is_final();
+  FOR EACH ROW EXECUTE FUNCTION ledger_api_key_revocation_is_final();
 CREATE TRIGGER signing_keys_revocation_final BEFORE UPDATE ON signing_keys
-  FOR EACH ROW EXECUTE FUNCTION ledger_revocation_is_final();
+  FOR EACH ROW EXECUTE FUNCTION ledger_key_revocation_is_final();
 CREATE TRIGGER disputes_resolution_final BEFORE UPDATE ON disputes
   FOR EACH ROW EXECUTE FUNCTION ledger_resolution_is_final();
 """
@@ -157,7 +164,8 @@ DROP TRIGGER IF EXISTS log_tree_only_grows ON log_tree;
 DROP TRIGGER IF EXISTS checkpoints_match_tree ON checkpoints;
 DROP TRIGGER IF EXISTS checkpoints_not_ahead ON checkpoints;
 DROP FUNCTION IF EXISTS ledger_resolution_is_final();
-DROP FUNCTION IF EXISTS ledger_revocation_is_final();
+DROP FUNCTION IF EXISTS ledger_key_revocation_is_final();
+DROP FUNCTION IF EXISTS ledger_api_key_revocation_is_final();
 DROP FUNCTION IF EXISTS ledger_tree_only_grows();
 DROP FUNCTION IF EXISTS ledger_checkpoint_matches_tree();
 DROP FUNCTION IF EXISTS ledger_checkpoint_not_ahead();
