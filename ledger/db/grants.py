@@ -124,24 +124,27 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "reverification_policies", "reverification_runs")},
 }
 
-#: Sequences behind ``BIGSERIAL`` ids of tables a role inserts into.
-SEQUENCES: dict[str, tuple[str, ...]] = {
-    API: ("audit_events_id_seq",),
-    BEAT: (),
-    WORKER: ("job_attempts_id_seq",),
-    AUDITOR: (),
-}
-
-
 def grant_statements(grants: Mapping[str, Mapping[str, tuple[str, ...]]] = GRANTS,
                      ) -> Iterator[tuple[str, str]]:
-    """(table, SQL) for every grant: ``GRANT SELECT, UPDATE (a, b) ON t TO role``."""
+    """(table, SQL) for every grant: ``GRANT SELECT, UPDATE (a, b) ON t TO role``. A role
+    that inserts into a table also gets its serial/identity sequences (``serial_grant``)."""
     for role, tables in grants.items():
         for table, privileges in tables.items():
             yield table, f"GRANT {', '.join(privileges)} ON {table} TO {role}"
-    for role, sequences in SEQUENCES.items():
-        for seq in sequences:
-            yield seq, f"GRANT USAGE, SELECT ON SEQUENCE {seq} TO {role}"
+            if "INSERT" in privileges:
+                yield table, serial_grant(table, f"GRANT USAGE, SELECT ON SEQUENCE %s TO {role}")
+
+
+def serial_grant(table: str, template: str) -> str:
+    """A block that runs ``template % sequence`` for each sequence behind ``table``'s
+    serial or identity columns (none for tables keyed by log index)."""
+    return f"""DO $$ DECLARE s text; BEGIN
+      FOR s IN SELECT pg_get_serial_sequence('public.{table}', attname) FROM pg_attribute
+               WHERE attrelid = 'public.{table}'::regclass AND attnum > 0
+                 AND NOT attisdropped LOOP
+        IF s IS NOT NULL THEN EXECUTE format('{template}', s); END IF;
+      END LOOP;
+    END $$"""  # noqa: S608 - table names come from the map above, not from input
 
 
 def tables() -> frozenset[str]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from alembic import op
 
-from ledger.db.grants import GRANTS, OPTIONAL_TABLES, ROLES, SEQUENCES, grant_statements
+from ledger.db.grants import GRANTS, OPTIONAL_TABLES, ROLES, grant_statements, serial_grant
 
 revision = "0008_component_roles"
 down_revision = "0007_witness"
@@ -55,10 +55,17 @@ def _create_roles() -> None:
 
 
 def _guarded(table: str, sql: str) -> str:
-    if table in OPTIONAL_TABLES:
-        return (f"DO $$ BEGIN IF to_regclass('public.{table}') IS NOT NULL THEN {sql}; "
-                f"END IF; END $$")
-    return sql
+    """``sql`` only where ``table`` exists (the tables of 0006/0007)."""
+    if table not in OPTIONAL_TABLES:
+        return sql
+    body = sql.replace("$$", "$inner$")
+    return (f"DO $guard$ BEGIN IF to_regclass('public.{table}') IS NOT NULL THEN "
+            f"EXECUTE $stmt${body}$stmt$; END IF; END $guard$")
+
+
+def _revoke(table: str, roles: str) -> None:
+    op.execute(_guarded(table, f"REVOKE ALL ON {table} FROM {roles}"))
+    op.execute(_guarded(table, serial_grant(table, f"REVOKE ALL ON SEQUENCE %s FROM {roles}")))
 
 
 def _grant() -> None:
@@ -67,9 +74,7 @@ def _grant() -> None:
     op.execute(f"GRANT USAGE ON SCHEMA public TO {roles}")
     tables = sorted({t for g in GRANTS.values() for t in g})
     for table in tables:  # idempotent: start every table from nothing for these roles
-        op.execute(_guarded(table, f"REVOKE ALL ON {table} FROM {roles}"))
-    for seq in sorted({s for ss in SEQUENCES.values() for s in ss}):
-        op.execute(f"REVOKE ALL ON SEQUENCE {seq} FROM {roles}")
+        _revoke(table, roles)
     for table, sql in grant_statements():
         op.execute(_guarded(table, sql))
 
@@ -182,8 +187,6 @@ def downgrade() -> None:
     op.execute(DROP_TRIGGERS)
     roles = ", ".join(ROLES)
     for table in sorted({t for g in GRANTS.values() for t in g}):
-        op.execute(_guarded(table, f"REVOKE ALL ON {table} FROM {roles}"))
-    for seq in sorted({s for ss in SEQUENCES.values() for s in ss}):
-        op.execute(f"REVOKE ALL ON SEQUENCE {seq} FROM {roles}")
+        _revoke(table, roles)
     op.execute(f"REVOKE USAGE ON SCHEMA public FROM {roles}")
     # The roles themselves are cluster-wide and may serve other databases: kept.
