@@ -371,7 +371,7 @@ def test_insecure_dev_starts_as_superuser_and_says_so(db_url: str, tmp_path: Pat
     assert "LEDGER_API_KEY_PEPPER" in warnings[0]  # what it let through
 
 
-def test_create_login_makes_a_member_of_one_component_role(db_url: str) -> None:
+def test_create_login_makes_a_member_of_one_component_role(db_url: str, tmp_path: Path) -> None:
     name = f"ledger_test_login_{uuid.uuid4().hex[:6]}"
     try:
         made = _ledger("db", "create-login", "--component", "auditor", "--name", name,
@@ -387,9 +387,28 @@ def test_create_login_makes_a_member_of_one_component_role(db_url: str) -> None:
             assert conn.execute("SELECT session_user").fetchone()[0] == name
             with pytest.raises(errors.InsufficientPrivilege):
                 conn.execute("INSERT INTO envelopes (request_id) SELECT 'x' WHERE false")
+        pw = tmp_path / "pw"
+        pw.write_text("s3cret-from-a-file\n")
+        from_file = _ledger("db", "create-login", "--component", "auditor", "--name", name,
+                            "--password-file", str(pw), env={"LEDGER_DATABASE_URL": db_url})
+        assert from_file.returncode == 0, from_file.stderr
+        assert "s3cret" not in from_file.stdout + from_file.stderr  # never echoed to logs
         other = _ledger("db", "create-login", "--component", "api", "--name", name,
                         env={"LEDGER_DATABASE_URL": db_url})
         assert other.returncode == 2 and "another component role" in other.stderr
     finally:
         with psycopg.connect(_driver(db_url), autocommit=True) as conn:
             conn.execute(sql.SQL("DROP ROLE IF EXISTS {}").format(sql.Identifier(name)))
+
+
+def test_password_file_replaces_the_url_password(tmp_path: Path) -> None:
+    from ledger.db.session import database_url
+
+    pw = tmp_path / "pw"
+    pw.write_text("p@ss:word\n")
+    settings = Settings(database_url="postgresql+psycopg://ledger_api_login:old@db:5432/ledger",
+                        database_password_file=pw)
+    url = database_url(settings)
+    assert url == "postgresql+psycopg://ledger_api_login:p%40ss%3Aword@db:5432/ledger"
+    assert database_url(Settings(database_url="postgresql+psycopg://u@db/x")) == \
+        "postgresql+psycopg://u@db/x"

@@ -97,10 +97,14 @@ def db_create_login(
         if group not in (row[1] if row else []):
             cur.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(group), ident))
     engine.dispose()
-    url = make_url(url_with_password(settings)).set(username=name, password=password)
-    console.print(f"login {name} (member of {group}); use this LEDGER_DATABASE_URL"
-                  + (" (the password is shown only once)" if password and not password_file
-                     else "") + ":")
+    # a password from a file is not echoed (logs keep what is printed): the process reads
+    # the same file through LEDGER_DATABASE_PASSWORD_FILE; a generated one is shown once
+    shown = password if password_file is None else None
+    url = make_url(url_with_password(settings)).set(username=name, password=shown)
+    hint = {True: " (the password is shown only once)", False: ""}[shown is not None]
+    if password_file is not None:
+        hint = f" with LEDGER_DATABASE_PASSWORD_FILE={password_file}"
+    console.print(f"login {name} (member of {group}); use this LEDGER_DATABASE_URL{hint}:")
     print(url.render_as_string(hide_password=False))
 
 
