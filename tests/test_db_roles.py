@@ -358,6 +358,17 @@ def test_beat_and_worker_refuse_without_their_keys(db_url: str,
     _refused(wrong_group, "ledger_beat")
 
 
+def test_beat_may_not_register_its_own_log_key(logins: dict[str, str], key_file: Path) -> None:
+    """Only the API's admin paths change signing_keys: an unregistered log key stops the
+    beat with the command that registers it, instead of signing checkpoints nobody can
+    verify."""
+    proc = _ledger("beat", env={"LEDGER_DATABASE_URL": logins["beat"],
+                                "LEDGER_LOG_KEY_FILE": str(key_file),
+                                "LEDGER_BROKER_URL": "redis://127.0.0.1:6379/15"})
+    _refused(proc, "LEDGER_LOG_KEY_FILE")
+    assert "ledger keys register" in proc.stderr and "--purpose log" in proc.stderr
+
+
 def test_insecure_dev_starts_as_superuser_and_says_so(db_url: str, tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "serve.log"
