@@ -369,6 +369,23 @@ def test_beat_may_not_register_its_own_log_key(logins: dict[str, str], key_file:
     assert "ledger keys register" in proc.stderr and "--purpose log" in proc.stderr
 
 
+def test_test_servers_run_as_their_component_login(db_url: str, tmp_path: Path) -> None:
+    """What main measured: `ledger serve` sessions showed up as the superuser. Here its
+    sessions in pg_stat_activity belong to the API login, which is no superuser."""
+    from tests.helpers import TEST_LOGINS, run_server
+
+    with run_server(db_url, log_dir=tmp_path) as server:
+        import httpx
+
+        assert httpx.get(server.base_url + "/readyz", timeout=10).status_code == 200
+        with psycopg.connect(_driver(db_url)) as conn:
+            rows = conn.execute(
+                "SELECT a.usename, r.rolsuper FROM pg_stat_activity a JOIN pg_roles r ON "
+                "r.oid = a.usesysid WHERE a.datname = current_database() "
+                "AND a.pid <> pg_backend_pid()").fetchall()
+    assert rows and {tuple(r) for r in rows} == {(TEST_LOGINS["api"], False)}, rows
+
+
 def test_insecure_dev_starts_as_superuser_and_says_so(db_url: str, tmp_path: Path) -> None:
     port = free_port()
     log = tmp_path / "serve.log"
