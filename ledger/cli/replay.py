@@ -76,7 +76,7 @@ def beat_command(
     Refuses to start as a database superuser or the schema owner, or without the log key."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from ledger.db.privileges import enforce
-    from ledger.db.session import make_engine, session_scope
+    from ledger.db.session import make_engine
     from ledger.log.integrator import IntegratorThread
     from ledger.log.signer import LogSigner
     from ledger.log.sink import sink_from_settings
@@ -96,7 +96,7 @@ def beat_command(
                       "published, but dispute events cannot be signed[/yellow]")
     for what, key in (("service", signer), ("log", log_signer)):
         if key is not None:
-            _require_registered(engine, session_scope, key, what)
+            _require_registered(engine, key, what)
     integrator = None
     if log_signer is not None:
         integrator = IntegratorThread(engine, log_signer,
@@ -119,11 +119,13 @@ def beat_command(
             integrator.stop()
 
 
-def _require_registered(engine: Any, session_scope: Any, key: Any, what: str) -> None:
+def _require_registered(engine: Any, key: Any, what: str) -> None:
     """The beat may not register keys (only the API's admin paths change signing_keys):
     a key that is not registered yet is registered where the role allows it (development
     as the owner), otherwise the beat refuses with the command that registers it."""
     from sqlalchemy.exc import ProgrammingError
+
+    from ledger.db.session import session_scope
 
     try:
         with session_scope(engine) as session:
