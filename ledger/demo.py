@@ -183,8 +183,10 @@ def run_demo(data_dir: Path, *, keep_running: bool = False, port: int = 8000,
                             log_key_file=paths["log"], service_key_file=paths["service"],
                             worker_key_file=paths["worker"], integrate_interval_ms=50,
                             checkpoint_sink_dir=data_dir / "checkpoints",
-                            worker_dead_after_s=30, data_dir=data_dir,
+                            worker_dead_after_s=30, data_dir=data_dir, insecure_dev=True,
                             trust_policy_file=data_dir / "trust.toml")
+        console.print("[yellow]insecure dev mode: the demo runs as the embedded database's "
+                      "superuser with an empty API-key pepper (never in production)[/yellow]")
         db = make_engine(settings, pool_size=4)
         service = Signer(keys["service"], "ledger", "ledger-service")
         with session_scope(db) as s:

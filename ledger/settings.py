@@ -148,6 +148,15 @@ class Settings(BaseSettings):
         default="127.0.0.1", description="Interface of the metrics listener; loopback by "
         "default, so only a scraper on the host (or a sidecar) reads it.")
 
+    # --- least privilege (docs/deployment.md, "Database roles") -------------------------
+    database_password_file: Path | None = Field(
+        default=None, description="A file holding the database password (a mounted secret); "
+        "it replaces any password in LEDGER_DATABASE_URL, so the URL itself carries none.")
+    insecure_dev: bool = Field(
+        default=False, description="Development only: let `ledger serve`, `beat` and "
+        "`worker` start as a superuser or the schema owner, or without the pepper or "
+        "private key they need (they refuse to otherwise). `ledger demo` turns it on.")
+
 
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:

@@ -21,7 +21,7 @@ from ledger.core.keys import generate_private_key, private_pem, public_raw
 from ledger.db.session import make_engine, session_scope, upgrade
 from ledger.services.apikeys import ROLES, create_api_key
 from ledger.services.keys import register_key
-from tests.helpers import ApiServer, free_port, run_server
+from tests.helpers import TEST_PEPPER, ApiServer, free_port, run_server
 
 ADMIN_PG = os.environ.get("LEDGER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -86,7 +86,8 @@ def provision(db_url: str) -> tuple[dict[str, str], Ed25519PrivateKey]:
     producer = Ed25519PrivateKey.generate()
     with session_scope(eng) as session:
         for role in ROLES:
-            _, secret = create_api_key(session, name=f"test-{role}", role=role, pepper="")
+            _, secret = create_api_key(session, name=f"test-{role}", role=role,
+                                       pepper=TEST_PEPPER)
             keys[role] = secret
         register_key(session, public_key=public_raw(producer), purpose="producer",
                      name="test-gateway")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -73,15 +74,92 @@ class ApiServer:
         return httpx.Client(base_url=self.base_url, headers=headers, timeout=30, **kw)
 
 
+# --- component logins ------------------------------------------------------------------
+# `ledger serve`, `beat` and `worker` refuse to run as a superuser or the schema owner, so
+# tests start them the way a deployment does: as a LOGIN user that is a member of one
+# component role (migration 0008). Roles are cluster-wide: one login per component serves
+# every test database (pg_hba here trusts 127.0.0.1, so no passwords).
+
+TEST_PEPPER = "test-pepper-not-a-secret"  # LEDGER_API_KEY_PEPPER of every test server
+TEST_LOGINS = {"api": "ledger_test_api", "beat": "ledger_test_beat",
+               "worker": "ledger_test_worker", "auditor": "ledger_test_auditor"}
+COMMAND_COMPONENT = {"serve": "api", "beat": "beat", "worker": "worker"}
+_logins_made: set[str] = set()
+
+
+def _driver_url(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+def ensure_test_logins(db_url: str) -> None:
+    """Create the test logins once per test session (idempotent, race-tolerant: other test
+    sessions on the same server may create them at the same time)."""
+    import psycopg
+    from psycopg import errors, sql
+
+    from ledger.db.grants import COMPONENT_ROLES
+
+    server = db_url.split("@", 1)[-1].rsplit("/", 1)[0]
+    if server in _logins_made:
+        return
+    with psycopg.connect(_driver_url(db_url), autocommit=True, connect_timeout=5) as conn:
+        for component, login in TEST_LOGINS.items():
+            group = COMPONENT_ROLES[component]
+            member = conn.execute(
+                "SELECT pg_has_role(%s, %s, 'MEMBER') FROM pg_roles WHERE rolname = %s",
+                (login, group, login)).fetchone()
+            if member and member[0]:
+                continue
+            try:
+                if member is None:
+                    conn.execute(sql.SQL("CREATE ROLE {} LOGIN IN ROLE {}").format(
+                        sql.Identifier(login), sql.Identifier(group)))
+                else:
+                    conn.execute(sql.SQL("GRANT {} TO {}").format(
+                        sql.Identifier(group), sql.Identifier(login)))
+            except (errors.DuplicateObject, errors.UniqueViolation):
+                pass  # another test session made it meanwhile
+    _logins_made.add(server)
+
+
+def login_url(db_url: str, component: str) -> str:
+    """``db_url`` with the test login of ``component`` as its user (made if missing)."""
+    from sqlalchemy import make_url
+
+    with contextlib.suppress(Exception):  # an unreachable server: the URL is still right
+        ensure_test_logins(db_url)
+    return make_url(db_url).set(username=TEST_LOGINS[component], password=None) \
+        .render_as_string(hide_password=False)
+
+
+def component_env(args: list[str], env: dict[str, str] | None) -> dict[str, str]:
+    """The environment a test gives ``ledger ARGS``: for serve/beat/worker, the component's
+    login instead of the database URL's user, the test pepper, and no in-API integration
+    where no log key is given (as before: without a key the API did not integrate)."""
+    env = dict(env or {})
+    component = COMMAND_COMPONENT.get(args[0]) if args else None
+    if component is None or "--insecure-dev" in args:
+        return env
+    url = env.get("LEDGER_DATABASE_URL") or os.environ.get("LEDGER_DATABASE_URL")
+    if url:
+        env["LEDGER_DATABASE_URL"] = login_url(url, component)
+    if component == "api":
+        env.setdefault("LEDGER_API_KEY_PEPPER", TEST_PEPPER)
+        if "LEDGER_LOG_KEY_FILE" not in env:
+            env.setdefault("LEDGER_INTEGRATE_IN_API", "false")
+    return env
+
+
 @contextmanager
 def run_ledger(args: list[str], *, port: int, health_path: str, log_path: Path,
                env: dict[str, str] | None = None,
                timeout: float = 60.0) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Start ``python -m ledger.cli.main ARGS``, wait until ``GET health_path`` answers 200,
-    yield (base URL, process); stop it (terminate, then kill) on the way out."""
+    yield (base URL, process); stop it (terminate, then kill) on the way out. serve, beat
+    and worker run as their component's test login (:func:`component_env`)."""
     log = log_path.open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "ledger.cli.main", *args],
-                            env={**os.environ, **(env or {})}, stdout=log,
+                            env={**os.environ, **component_env(args, env)}, stdout=log,
                             stderr=subprocess.STDOUT, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -235,7 +235,8 @@ def start_integrator(settings: Settings, engine: Engine,
         log.warning("could not register the log key yet: %s", exc)
     thread = IntegratorThread(engine, signer, max_entries=settings.integrate_max_entries,
                               interval_ms=settings.integrate_interval_ms,
-                              sink=sink_from_settings(settings.checkpoint_sink_dir))
+                              sink=sink_from_settings(settings.checkpoint_sink_dir),
+                              settings=settings)
     thread.start()
     return thread
 

@@ -29,11 +29,83 @@ LOCAL_ADMIN = ("local-cli", "local-cli", "admin")
 def db_upgrade(database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045 - typer
                revision: str = typer.Option("head", help="Target revision.")) -> None:
     """Apply migrations up to REVISION (the only way the schema is made)."""
+    from ledger.db.session import database_url as url_with_password
     from ledger.db.session import upgrade
 
     settings = settings_with(database_url)
-    upgrade(settings.database_url, revision)
+    upgrade(url_with_password(settings), revision)
     console.print(f"[green]database at {revision}[/green]")
+
+
+@db_app.command("create-login")
+def db_create_login(
+    component: str = typer.Option(..., help="api | beat | worker | auditor"),
+    name: str = typer.Option(..., help="The LOGIN user to create (or update)."),
+    password_file: Optional[Path] = typer.Option(  # noqa: UP045 - typer
+        None, help="Read the password from this file; without it one is generated and "
+                   "printed once, in the URL."),
+    no_password: bool = typer.Option(False, help="No password (trust/peer/certificate "
+                                     "authentication)."),
+    database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
+) -> None:
+    """As the schema owner (after `ledger db upgrade`): make NAME a LOGIN user that is a
+    member of exactly one component role, and print the LEDGER_DATABASE_URL it uses (alone
+    on the last line of standard output)."""
+    import secrets
+
+    from psycopg import sql
+    from sqlalchemy import make_url
+
+    from ledger.db.grants import COMPONENT_ROLES
+    from ledger.db.session import database_url as url_with_password
+    from ledger.db.session import make_engine
+
+    group = COMPONENT_ROLES.get(component)
+    if group is None:
+        console.print(f"[red]--component must be one of {', '.join(COMPONENT_ROLES)}[/red]")
+        raise typer.Exit(2)
+    settings = settings_with(database_url)
+    if no_password:
+        password = None
+    elif password_file is not None:
+        password = password_file.read_text().strip()
+    else:
+        password = secrets.token_urlsafe(24)
+    engine = make_engine(settings, pool_size=1)
+    others = [r for r in COMPONENT_ROLES.values() if r != group]
+    with engine.begin() as conn:
+        cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (group,))
+        if cur.fetchone() is None:
+            console.print(f"[red]role {group} does not exist: run `ledger db upgrade` "
+                          "first[/red]")
+            raise typer.Exit(2)
+        cur.execute("SELECT rolsuper, ARRAY(SELECT g.rolname FROM pg_auth_members m JOIN "
+                    "pg_roles g ON g.oid = m.roleid WHERE m.member = r.oid) "
+                    "FROM pg_roles r WHERE rolname = %s", (name,))
+        row = cur.fetchone()
+        if row is not None and (row[0] or set(row[1]) & set(others)):
+            console.print(f"[red]{name} exists and is a superuser or a member of another "
+                          f"component role ({', '.join(row[1])}): choose another name[/red]")
+            raise typer.Exit(2)
+        ident = sql.Identifier(name)
+        verb = sql.SQL("ALTER ROLE" if row is not None else "CREATE ROLE")
+        pw = sql.SQL("PASSWORD {}").format(sql.Literal(password)) if password \
+            else sql.SQL("PASSWORD NULL")
+        cur.execute(sql.SQL("{} {} LOGIN NOSUPERUSER NOCREATEDB NOCREATEROLE NOBYPASSRLS "
+                            "INHERIT {}").format(verb, ident, pw))
+        if group not in (row[1] if row else []):
+            cur.execute(sql.SQL("GRANT {} TO {}").format(sql.Identifier(group), ident))
+    engine.dispose()
+    # a password from a file is not echoed (logs keep what is printed): the process reads
+    # the same file through LEDGER_DATABASE_PASSWORD_FILE; a generated one is shown once
+    shown = password if password_file is None else None
+    url = make_url(url_with_password(settings)).set(username=name, password=shown)
+    hint = {True: " (the password is shown only once)", False: ""}[shown is not None]
+    if password_file is not None:
+        hint = f" with LEDGER_DATABASE_PASSWORD_FILE={password_file}"
+    console.print(f"login {name} (member of {group}); use this LEDGER_DATABASE_URL{hint}:")
+    print(url.render_as_string(hide_password=False))
 
 
 def serve_command(
@@ -42,10 +114,24 @@ def serve_command(
     workers: int = typer.Option(1, help="Server processes."),
     database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
     log_level: str = typer.Option("warning", help="uvicorn log level."),
+    insecure_dev: bool = typer.Option(False, "--insecure-dev", help="Development only: "
+                                      "start as a superuser or without the pepper/log key."),
 ) -> None:
-    """Run the REST API (uvicorn)."""
+    """Run the REST API (uvicorn). Refuses to start as a database superuser or the schema
+    owner, or without LEDGER_API_KEY_PEPPER (and LEDGER_LOG_KEY_FILE when it integrates)."""
     import uvicorn
 
+    from ledger.db.privileges import enforce
+    from ledger.db.session import make_engine
+
+    settings = settings_with(database_url)
+    if insecure_dev:
+        settings = settings.model_copy(update={"insecure_dev": True})
+    engine = make_engine(settings, pool_size=1)
+    try:
+        enforce(settings, engine, "api")
+    finally:
+        engine.dispose()
     if database_url:
         os.environ["LEDGER_DATABASE_URL"] = database_url
     if workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:

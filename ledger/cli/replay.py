@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -24,20 +25,32 @@ def worker_command(
                                        "LEDGER_WORKER_KEY_FILE."),
     register_key: bool = typer.Option(False, help="Register the key as a worker key if it "
                                       "is not (development; an admin does it otherwise)."),
-    insecure_dev: bool = typer.Option(
-        False, "--insecure-dev", help="Run without a trust policy, trusting the log and "
-        "producer keys of the database itself (development only: an insider can forge)."),
     loglevel: str = typer.Option("INFO"),
     database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
+    insecure_dev: bool = typer.Option(
+        False, "--insecure-dev", help="Development only: start as a superuser or the "
+        "schema owner, and without a trust policy, trusting the log and producer keys of the "
+        "database itself (an insider can forge)."),
 ) -> None:
     """Replay worker: computes its fingerprint, hashes its models, self-checks batch
-    invariance, then consumes only replay.<fingerprint_id>."""
+    invariance, then consumes only replay.<fingerprint_id>. Refuses to start as a database
+    superuser or the schema owner, or without a worker key."""
     logging.basicConfig(level=loglevel, format="%(asctime)s %(name)s %(message)s")
     from ledger.core.errors import LedgerError
+    from ledger.db.privileges import enforce
+    from ledger.db.session import make_engine
+
+    settings = settings_with(database_url)
+    if insecure_dev:
+        settings = settings.model_copy(update={"insecure_dev": True})
+    check_engine = make_engine(settings, pool_size=1)
+    try:
+        enforce(settings, check_engine, "worker", worker_key_given=key is not None)
+    finally:
+        check_engine.dispose()
     from workers.celery_worker import build_worker, serve
     from workers.replay import NoTrustPolicy, SelfCheckFailed
 
-    settings = settings_with(database_url)
     try:
         worker = build_worker(settings, models=models, engine_name=engine, device=device,
                               dtype=dtype, max_batch=max_batch, key_file=key,
@@ -65,32 +78,77 @@ def worker_command(
 def beat_command(
     interval: float = typer.Option(2.0, help="Seconds between ticks."),
     database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
+    insecure_dev: bool = typer.Option(False, "--insecure-dev", help="Development only: "
+                                      "start as a superuser or without the log key."),
 ) -> None:
-    """The one scheduler: outbox sweeper, re-verification windows, fingerprint gates.
-    A second beat waits for the first's lock."""
+    """The one scheduler: outbox sweeper, re-verification windows, fingerprint gates, and
+    the integrator (LEDGER_LOG_KEY_FILE). A second beat waits for the first's lock.
+    Refuses to start as a database superuser or the schema owner, or without the log key."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    from ledger.db.session import make_engine, session_scope
+    from ledger.db.privileges import enforce
+    from ledger.db.session import make_engine
+    from ledger.log.integrator import IntegratorThread
+    from ledger.log.signer import LogSigner
+    from ledger.log.sink import sink_from_settings
     from ledger.replay import beat
     from ledger.replay.broker import CeleryPublisher
     from ledger.replay.records import Signer
 
     settings = settings_with(database_url)
-    engine = make_engine(settings, pool_size=3)
+    if insecure_dev:
+        settings = settings.model_copy(update={"insecure_dev": True})
+    engine = make_engine(settings, pool_size=4)
+    enforce(settings, engine, "beat")
     signer = Signer.from_file(settings.service_key_file, "ledger", "ledger-service")
+    log_signer = LogSigner.from_settings(settings)
     if signer is None:
         console.print("[yellow]LEDGER_SERVICE_KEY_FILE is not set: jobs are routed and "
                       "published, but dispute events cannot be signed[/yellow]")
-    else:
-        with session_scope(engine) as session:
-            signer.ensure_registered(session)
+    for what, key in (("service", signer), ("log", log_signer)):
+        if key is not None:
+            _require_registered(engine, key, what)
+    integrator = None
+    if log_signer is not None:
+        integrator = IntegratorThread(engine, log_signer,
+                                      max_entries=settings.integrate_max_entries,
+                                      interval_ms=settings.integrate_interval_ms,
+                                      sink=sink_from_settings(settings.checkpoint_sink_dir))
+        integrator.start()
+        console.print("beat integrates the log")
     console.print(f"beat ticking every {interval}s")
 
     def on_tick(counts: dict[str, int]) -> None:
         if any(counts.values()):
             logging.getLogger("ledger.beat").info("tick %s", counts)
 
-    beat.run(engine, CeleryPublisher(settings), settings, signer, interval_s=interval,
-             on_tick=on_tick)
+    try:
+        beat.run(engine, CeleryPublisher(settings), settings, signer, interval_s=interval,
+                 on_tick=on_tick)
+    finally:
+        if integrator is not None:
+            integrator.stop()
+
+
+def _require_registered(engine: Any, key: Any, what: str) -> None:
+    """The beat may not register keys (only the API's admin paths change signing_keys):
+    a key that is not registered yet is registered where the role allows it (development
+    as the owner), otherwise the beat refuses with the command that registers it."""
+    from sqlalchemy.exc import ProgrammingError
+
+    from ledger.db.session import session_scope
+
+    try:
+        with session_scope(engine) as session:
+            key.ensure_registered(session)
+    except ProgrammingError as exc:
+        if getattr(exc.orig, "sqlstate", None) != "42501":  # insufficient_privilege
+            raise
+        setting = "LEDGER_LOG_KEY_FILE" if what == "log" else "LEDGER_SERVICE_KEY_FILE"
+        purpose = "log" if what == "log" else "ledger"
+        print(f"ledger beat: refusing to start: the {what} key ({setting}) is not registered; "
+              f"an admin runs `ledger keys register FILE --purpose {purpose}`", file=sys.stderr,
+              flush=True)
+        raise SystemExit(2) from None
 
 
 def register(app: typer.Typer) -> None:

@@ -16,17 +16,27 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import Engine, create_engine, event, make_url, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from ledger.settings import Settings, get_settings
+
+
+def database_url(settings: Settings, url: str | None = None) -> str:
+    """``url`` (default ``LEDGER_DATABASE_URL``) with the password from
+    ``LEDGER_DATABASE_PASSWORD_FILE`` when that is set."""
+    url = url or settings.database_url
+    if settings.database_password_file is None:
+        return url
+    password = settings.database_password_file.read_text().strip()
+    return make_url(url).set(password=password).render_as_string(hide_password=False)
 
 
 def make_engine(settings: Settings | None = None, *, url: str | None = None,
                 pool_size: int | None = None) -> Engine:
     settings = settings or get_settings()
     engine = create_engine(
-        url or settings.database_url,
+        database_url(settings, url),
         pool_size=pool_size or settings.db_pool_size,
         max_overflow=settings.db_pool_size,
         pool_pre_ping=True,

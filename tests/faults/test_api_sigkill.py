@@ -17,7 +17,7 @@ import psycopg
 from ledger.core.keys import generate_private_key, private_pem
 from tests.conftest import provision
 from tests.faults.clients import ClientPool, Tally
-from tests.helpers import REPO, free_port, signed, statement
+from tests.helpers import REPO, component_env, free_port, signed, statement
 
 N = int(os.environ.get("LEDGER_FAULT_SCALE", "1")) * 10_000  # benchmarks/faults.py scales it
 BATCH = 50
@@ -26,7 +26,8 @@ BATCH = 50
 def start_api(db_url: str, port: int, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "ledger.cli.main", "serve", "--port", str(port)],
-        env={**os.environ, **env, "LEDGER_DATABASE_URL": db_url}, cwd=REPO,
+        env={**os.environ, **component_env(["serve"], {**env, "LEDGER_DATABASE_URL": db_url})},
+        cwd=REPO,
         stdout=log.open("ab"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

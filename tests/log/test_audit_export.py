@@ -29,7 +29,7 @@ from ledger.log.sink import DirectorySink
 from ledger.services import ingest
 from ledger.settings import Settings
 from tests.conftest import provision
-from tests.helpers import REPO, run_server, signed, statement
+from tests.helpers import REPO, TEST_PEPPER, run_server, signed, statement
 
 ORIGIN = "ledger.test/audit"
 N = 40
@@ -234,8 +234,8 @@ def test_auditor_exports_over_the_api(small_log: Log, tmp_path: Path) -> None:
 
     engine = make_engine(Settings(database_url=small_log.db_url), pool_size=1)
     with session_scope(engine) as s:
-        _, auditor = create_api_key(s, name="auditor-x", role="auditor", pepper="")
-        _, reviewer = create_api_key(s, name="reviewer-x", role="reviewer", pepper="")
+        _, auditor = create_api_key(s, name="auditor-x", role="auditor", pepper=TEST_PEPPER)
+        _, reviewer = create_api_key(s, name="reviewer-x", role="reviewer", pepper=TEST_PEPPER)
     engine.dispose()
     with run_server(small_log.db_url, extra_env={
             "LEDGER_LOG_NAME": ORIGIN,

@@ -23,7 +23,7 @@ from ledger.core.trust import format_trust_policy
 from ledger.db.session import make_engine, session_scope
 from ledger.replay.records import Signer
 from ledger.services.keys import register_key
-from tests.helpers import REPO, free_port
+from tests.helpers import REPO, component_env, free_port
 
 FAST = {  # timings scaled down for tests; production defaults are in ledger/settings.py
     "LEDGER_INTEGRATE_INTERVAL_MS": "50",
@@ -84,8 +84,9 @@ class Stack:
     def spawn(self, *args: str, env: dict[str, str] | None = None,
               name: str = "proc") -> subprocess.Popen[bytes]:
         log = (self.tmp / f"{name}-{len(self.procs)}.log").open("wb")
+        run_env = component_env(list(args), {**self.env, **(env or {})})  # its own login
         proc = subprocess.Popen([sys.executable, "-m", "ledger.cli.main", *args], cwd=REPO,
-                                env={**os.environ, **self.env, **(env or {})}, stdout=log,
+                                env={**os.environ, **run_env}, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         self.procs.append(proc)
         return proc
@@ -164,6 +165,9 @@ def replay_stack(db_url: str, tmp: Path) -> Iterator[Stack]:
                          signer=service)
         register_key(s, public_key=public_raw(producer), purpose="producer",
                      name="stack-gateway", signer=service)
+        # the beat may not register keys (only the API's admin paths may): an admin does
+        register_key(s, public_key=public_raw(keyfiles["log"]), purpose="log",
+                     name=FAST["LEDGER_LOG_NAME"], signer=service)
     db.dispose()
     redis_server = RedisServer(tmp)
     redis_server.start()
