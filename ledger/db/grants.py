@@ -121,8 +121,8 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
     },
     AUDITOR: {t: ("SELECT",) for t in (
         "alembic_version", "log_state", "log_entries", "envelopes", "fingerprints",
-        "signing_keys", "api_keys", "audit_events", "admin_events", "log_tree", "tiles", "checkpoints",
-        "checkpoint_cosignatures", "witness_status", "workers", "replay_jobs",
+        "signing_keys", "api_keys", "audit_events", "admin_events", "log_tree", "tiles",
+        "checkpoints", "checkpoint_cosignatures", "witness_status", "workers", "replay_jobs",
         "replay_job_items", "job_attempts", "disputes", "dispute_events", "verdicts",
         "reverification_policies", "reverification_runs")},
 }
