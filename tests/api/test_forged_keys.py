@@ -29,7 +29,7 @@ from ledger.db.session import make_engine, session_scope
 from ledger.log.audit import audit
 from ledger.log.integrator import integrate_all
 from ledger.log.signer import LogSigner
-from ledger.services import ingest
+from ledger.services import ingest, sequencer
 from ledger.services.keys import register_key
 from ledger.settings import Settings
 from tests.conftest import provision
@@ -276,9 +276,10 @@ def test_audit_refuses_a_forged_envelope_stored_by_an_older_ledger(
             dsse_bytes = forged.canonical_bytes()
             old = ingest.Prepared(dsse_bytes, hashlib.sha256(dsse_bytes).digest(), [kid],
                                   index_fields(st), st.predicate.runtime.model_dump(mode="json"))
-            stored = ingest.store(s, [old])[0]
-            assert stored is not None and stored.status == 201
-            forged_index = stored.log_index
+            conn = s.connection().connection.driver_connection
+            with conn.cursor() as cur:
+                forged_index = sequencer.lock(cur)
+                ingest._write(cur, forged_index, [(forged_index, old)])
             assert all(r.status == 201 for r in ingest.ingest(
                 s, [signed(statement(), producer)], settings))
         integrate_all(engine, signer, max_entries=10)

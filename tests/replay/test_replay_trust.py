@@ -32,7 +32,7 @@ from ledger.log.integrator import integrate_all
 from ledger.log.signer import LogSigner
 from ledger.replay import jobs as job_service
 from ledger.settings import Settings
-from tests.helpers import REPO
+from tests.helpers import REPO, component_env
 from tests.replay.conftest import ORIGIN, Stack, record, tamper
 from tests.replay.test_replay_inprocess import ingest_all, open_dispute
 
@@ -207,7 +207,8 @@ def test_a_worker_without_a_trust_policy_refuses_to_start(stack: Stack, tmp_path
     r = subprocess.run([sys.executable, "-m", "ledger.cli.main", "worker", "--models",
                         "tiny-demo", "--key", str(key), "--loglevel", "WARNING"], cwd=REPO,
                        capture_output=True, text=True, timeout=120,
-                       env={**env, "LEDGER_DATABASE_URL": stack.settings.database_url})
+                       env={**env, **component_env(["worker"], {
+                           "LEDGER_DATABASE_URL": stack.settings.database_url})})
     assert r.returncode == 2, r.stdout + r.stderr
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "LEDGER_TRUST_POLICY_FILE" in lines[0], r.stderr

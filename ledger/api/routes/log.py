@@ -90,7 +90,9 @@ class WitnessesOut(BaseModel):
 
 @router.get("/v1/log/witnesses", tags=["log"], response_model=WitnessesOut,
             summary="The witnesses this log submits checkpoints to, and how each is doing")
-def log_witnesses(request: Request, session: Session = Depends(get_session)) -> WitnessesOut:
+def log_witnesses(request: Request, session: Session = Depends(get_session),
+                  _: Principal = Depends(require("log:read")),  # errors may name hosts
+                  ) -> WitnessesOut:
     with _cursor(session) as cur:
         cp = latest_checkpoint(cur)
     keys = {e.name: e.key.verifier_key
