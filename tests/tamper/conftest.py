@@ -63,6 +63,7 @@ class Built:
     verdicts: dict[str, dict[str, Any]]  # name -> {"idx", "verdict_id", "outcome"}
     disputes: dict[str, dict[str, Any]]  # name -> {"id", "events": [(idx, kind)]}
     tail: list[int] = field(default_factory=list)  # indices of the envelopes at the end
+    api_keys: dict[str, str] = field(default_factory=dict)  # role -> API key
 
     def saved(self) -> list[tuple[str, bytes]]:
         return [(str(p), p.read_bytes()) for p in sorted(self.sink.glob("checkpoint.*"))]
@@ -93,7 +94,7 @@ def build(db_url: str, tiny_engine: Any, tmp: Path) -> dict[str, Any]:
     from tests.replay.conftest import record, tamper
     from workers.replay import ReplayWorker
 
-    _, producer = provision(db_url)
+    api_keys, producer = provision(db_url)
     settings = Settings(database_url=db_url, log_name=ORIGIN, worker_dead_after_s=300)
     db = make_engine(settings, pool_size=2)
     log_signer = LogSigner(ORIGIN, generate_private_key())
@@ -169,8 +170,8 @@ def build(db_url: str, tiny_engine: Any, tmp: Path) -> dict[str, Any]:
     assert layout["disputes"]["upheld"]["state"] == "resolved"
     layout["tail"] = [layout["env_index"][r.request_id] for r in tail]
     db.dispose()
-    return {"producer": producer, "log_signer": log_signer, "service": service,
-            "worker": worker_signer, "sink": sink.dir, **layout}
+    return {"api_keys": api_keys, "producer": producer, "log_signer": log_signer,
+            "service": service, "worker": worker_signer, "sink": sink.dir, **layout}
 
 
 @pytest.fixture(scope="session")
