@@ -231,8 +231,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     out = [line, "-" * len(line)]
     out += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True))
             for row in body]
-    return ("cells: FAIL@i = that audit mode fails naming first bad index i; "
-            "pass = it does not notice\n" + "\n".join(out) + "\n")
+    return ("cells: FAIL@i = that audit mode fails naming first bad index i (FAIL: it "
+            "names the dispute, a disputes row being no leaf); pass = it does not notice\n"
+            + "\n".join(out) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -49,6 +49,12 @@ ENVELOPE = "tamper-7-4"  # an envelope nobody disputed
 OTHER_ENVELOPE = "tamper-7-6"
 
 
+def _cell(report: AuditReport) -> str:
+    if report.ok:
+        return "pass"
+    return "FAIL" if report.first_bad_index is None else f"FAIL@{report.first_bad_index}"
+
+
 def run_mode(built: Built, url: str, mode: str) -> AuditReport:
     engine = make_engine(url=url, pool_size=1)
     try:
@@ -360,21 +366,25 @@ def consistent_rewrite(b: Built, url: str) -> tuple[int, str]:
     return k, f"history was rewritten at entry {k}"
 
 
+def _a(kind: str) -> str:
+    return ("an " if kind[0] in "aeiou" else "a ") + kind
+
+
 def _cases() -> list[Case]:
     cases = []
     for k in KINDS:
         name = k.kind.replace("_", "-")
         cases += [
-            Case(f"{name}-flip-signed-byte", f"one byte of a {k.kind}'s DSSE flipped",
+            Case(f"{name}-flip-signed-byte", f"one byte of {_a(k.kind)}'s DSSE flipped",
                  "plain", _flip(k)),
-            Case(f"{name}-delete-record", f"a {k.kind} row deleted", "plain",
+            Case(f"{name}-delete-record", f"{_a(k.kind)} row deleted", "plain",
                  _delete(k, with_entry=False)),
-            Case(f"{name}-delete-record-and-entry", f"a {k.kind} row and its log entry "
+            Case(f"{name}-delete-record-and-entry", f"{_a(k.kind)} row and its log entry "
                  "deleted", "plain", _delete(k, with_entry=True)),
             Case(f"{name}-swap-two", f"two {k.kind} rows swap log_index", "plain", _swap(k)),
-            Case(f"{name}-move-off-log", f"a {k.kind} row moved to a log_index with no entry",
+            Case(f"{name}-move-off-log", f"{_a(k.kind)} row moved to a log_index with no entry",
                  "plain", _orphan(k)),
-            Case(f"{name}-move-onto-other-kind", f"a {k.kind} row moved onto another kind's "
+            Case(f"{name}-move-onto-other-kind", f"{_a(k.kind)} row moved onto another kind's "
                  "leaf", "plain", _onto_other_kind(k)),
         ]
         cases += [Case(f"{name}-column-{col}", f"{k.table}.{col} edited", "plain",
@@ -410,7 +420,7 @@ def test_clean_log_passes_every_mode(built: Built, copy_url: str) -> None:
     """The control: without this, a suite of failing audits proves nothing."""
     reports = all_modes(built, copy_url)
     RESULTS.insert(0, {"case": "clean-control", "attack": "none", "mode": "-",
-                       "modes": {m: "pass" if r.ok else f"FAIL@{r.first_bad_index}"
+                       "modes": {m: _cell(r)
                                  for m, r in reports.items()}})
     for mode, report in reports.items():
         assert report.ok, (mode, report.problems)
@@ -428,7 +438,7 @@ def test_tamper_is_detected(built: Built, copy_url: str, case: Case) -> None:
     index, words = case.tamper(built, copy_url)
     reports = all_modes(built, copy_url)
     RESULTS.append({"case": case.id, "attack": case.attack, "mode": case.mode,
-                    "modes": {m: "pass" if r.ok else f"FAIL@{r.first_bad_index}"
+                    "modes": {m: _cell(r)
                               for m, r in reports.items()}})
     report = reports[case.mode]
     assert not report.ok, f"{case.mode} audit did not notice {case.attack}"
