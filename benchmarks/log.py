@@ -210,6 +210,7 @@ def audit_benchmark(n: int, signatures: bool) -> list[list[object]]:
                 assert report.ok, report.problems[:5]
                 assert report.entries == n
                 best[label] = min(best.get(label, el), el)
+                print(f"  {label}: {el:.2f} s", flush=True)
         engine.dispose()
     for i, (label, _, _) in enumerate(modes):
         base = best[modes[i - i % 2][0]]
