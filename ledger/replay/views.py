@@ -132,27 +132,26 @@ def runtime_fingerprint(runtime: Any) -> str:
     return found
 
 
-def envelope_index(dsse_bytes: bytes) -> dict[str, Any]:
-    """The index fields of an envelope as its signed payload states them."""
+def envelope_values(dsse_bytes: bytes, dsse_sha256: str) -> tuple[Any, ...]:
+    """The signed values of :data:`ENVELOPE_INDEX_FIELDS`, in that order (the audit's hot
+    path compares them with the stored columns as one tuple); ``dsse_sha256`` is the hex
+    SHA-256 of ``dsse_bytes``, which the caller has computed already."""
     signed = open_signed(dsse_bytes)
     p = signed.statement["predicate"]
     try:
-        artifacts, output = p["artifacts"], p["output"]
-        return {
-            "request_id": p["request_id"],
-            "recorded_at": parse_time(p["recorded_at"]),
-            "channel": p["channel"],
-            "tier": p["tier"],
-            "model_sha256": artifacts["model_sha256"],
-            "model_name": artifacts["model_name"],
-            "fingerprint_id": runtime_fingerprint(p["runtime"]),
-            "prompt_tokens": len(p["prompt_token_ids"]),
-            "output_tokens": len(output["token_ids"]),
-            "keyids": list(signed.keyids),
-            "dsse_sha256": hashlib.sha256(dsse_bytes).hexdigest(),
-        }
+        artifacts = p["artifacts"]
+        return (p["request_id"], parse_time(p["recorded_at"]), p["channel"], p["tier"],
+                artifacts["model_sha256"], artifacts["model_name"],
+                runtime_fingerprint(p["runtime"]), len(p["prompt_token_ids"]),
+                len(p["output"]["token_ids"]), list(signed.keyids), dsse_sha256)
     except (KeyError, TypeError) as exc:
         raise SignedRecordError(f"the signed envelope lacks {exc}") from None
+
+
+def envelope_index(dsse_bytes: bytes) -> dict[str, Any]:
+    """The index fields of an envelope as its signed payload states them."""
+    values = envelope_values(dsse_bytes, hashlib.sha256(dsse_bytes).hexdigest())
+    return dict(zip(ENVELOPE_INDEX_FIELDS, values, strict=True))
 
 
 def verdict_view(dsse_bytes: bytes) -> dict[str, Any]:
