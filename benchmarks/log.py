@@ -6,11 +6,17 @@
 2. inclusion and consistency proof latency at that size, in-process (from the tiles in
    Postgres) and over HTTP (`ledger serve`), p50/p99 over random indices;
 3. offline verification rate of an exported bundle of real signed envelopes (512 prompt /
-   128 output tokens) with `ledger verify`.
+   128 output tokens) with `ledger verify`;
+4. `ledger audit` of a log of real signed records of every leaf kind (default 1,000,000
+   entries: per block of 50, 44 envelopes, a dispute with 5 signed events and a verdict),
+   every kind checked (entries rebuilt from each record, every served column
+   cross-checked against the signed payload, disputes against their trails) next to the
+   envelope-only, digest-only audit it replaced, in the same run, with the ratio.
 
 The end-to-end ingest figure with integration on is `benchmarks/ingest.py --integrate`.
 
     python benchmarks/log.py [--entries 1000000] [--samples 2000] [--bundle 5000]
+                             [--audit-entries 1000000] [--only-audit]
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -50,12 +57,183 @@ def sequence_synthetic(pg_url: str, n: int) -> None:
         conn.commit()
 
 
+BLOCK = 50  # entries per block: 44 envelopes, 5 dispute events and one verdict
+
+
+def build_audit_log(url: str, n: int) -> tuple[Any, Any]:
+    """n entries of real signed records of every kind, written with COPY (the way ingest
+    writes envelopes), then integrated; returns (engine, log signer)."""
+    import uuid
+    from datetime import UTC, datetime
+
+    from psycopg.types.json import Jsonb
+
+    from ledger.core.envelope import index_fields, validate_statement
+    from ledger.core.keys import generate_private_key, key_id, public_raw
+    from ledger.core.logentry import log_entry_bytes
+    from ledger.core.merkle import leaf_hash
+    from ledger.core.statements import event_statement, verdict_statement
+    from ledger.db.session import make_engine, session_scope
+    from ledger.log.integrator import integrate_all
+    from ledger.log.signer import LogSigner
+    from ledger.producer import sign_statement
+    from ledger.services.keys import register_key
+    from ledger.settings import Settings
+    from tests.helpers import statement
+
+    producer, worker, service = (generate_private_key() for _ in range(3))
+    signer = LogSigner("bench.example/audit", generate_private_key())
+    engine = make_engine(Settings(database_url=url), pool_size=2)
+    with session_scope(engine) as s:
+        signer.ensure_registered(s)
+        for key, purpose in ((producer, "producer"), (worker, "worker"), (service, "ledger")):
+            register_key(s, public_key=public_raw(key), purpose=purpose, name=purpose)
+    template = statement("bench-template")
+    fixed = index_fields(validate_statement(template))
+    job_id = uuid.uuid4()
+    pg_url = url.replace("postgresql+psycopg://", "postgresql://")
+
+    def sign(st: dict[str, Any], key: Any) -> bytes:
+        return sign_statement(st, key).canonical_bytes()
+
+    with psycopg.connect(pg_url) as conn:
+        conn.execute("INSERT INTO replay_jobs (id, fingerprint_id, kind, state) "
+                     "VALUES (%s, %s, 'dispute', 'done')", (job_id, fixed.fingerprint_id))
+        idx = 0
+        while idx < n:
+            entries, envs, disputes, verdicts, events = [], [], [], [], []
+            for _ in range(min(200, -(-(n - idx) // BLOCK))):
+                block_start = idx
+                for _ in range(min(BLOCK - 6, n - idx)):
+                    rid = f"req-{idx:012d}"
+                    st = statement(rid)
+                    d = sign(st, producer)
+                    digest = hashlib.sha256(d)
+                    entries.append((idx, "envelope", rid,
+                                    log_entry_bytes("envelope", rid, digest.hexdigest())))
+                    envs.append((idx, rid, d, digest.digest(), [key_id(public_raw(producer))],
+                                 fixed.model_sha256, fixed.model_name, fixed.fingerprint_id,
+                                 fixed.channel, fixed.tier,
+                                 datetime.fromisoformat(st["predicate"]["recorded_at"]),
+                                 fixed.prompt_tokens, fixed.output_tokens))
+                    idx += 1
+                if n - idx < 6:
+                    continue
+                disputed = envs[-(idx - block_start)]
+                rid, env_index, env_digest = disputed[1], disputed[0], disputed[3].hex()
+                did = uuid.uuid4()
+                vid = f"verdict-{job_id}-{env_index}"
+                now = datetime.now(UTC)
+                trail = [("opened", service, {"reason": "bench", "priority": "normal"}),
+                         ("queued", service, {"job_id": str(job_id), "state": "queued"}),
+                         ("replaying", worker, {"job_id": str(job_id), "attempt": 1,
+                                                "state": "replaying"}),
+                         ("verdict", worker, {"verdict_id": vid, "outcome": "reproduced",
+                                              "tier": "bitwise", "verdict_log_index": idx + 3,
+                                              "state": "verdict"}),
+                         ("resolved", service, {"resolution": "rejected", "note": "ok",
+                                                "state": "resolved"})]
+                for seq, (kind, key, body) in enumerate(trail, start=1):
+                    if kind == "verdict":
+                        details = {"job_id": str(job_id), "tier": "bitwise", "reason": None,
+                                   "worker": {"worker_id": "bench-worker",
+                                              "fingerprint_id": fixed.fingerprint_id}}
+                        vd = sign(verdict_statement(
+                            verdict_id=vid, request_id=rid, envelope_index=env_index,
+                            envelope_dsse_sha256=env_digest, outcome="reproduced",
+                            details=details), worker)
+                        entries.append((idx, "verdict", vid, log_entry_bytes(
+                            "verdict", vid, hashlib.sha256(vd).hexdigest())))
+                        verdicts.append((idx, vid, job_id, env_index, rid, "reproduced",
+                                         "bitwise", "bench-worker", fixed.fingerprint_id,
+                                         Jsonb(details), vd))
+                        idx += 1
+                    eid = f"dispute-{did}-{seq}"
+                    actor = "bench-worker" if key is worker else "ledger"
+                    ed = sign(event_statement(
+                        event_id=eid, dispute_id=str(did), seq=seq, kind=kind, actor=actor,
+                        at=now.isoformat(), request_id=rid, envelope_dsse_sha256=env_digest,
+                        body=body), key)
+                    entries.append((idx, "dispute_event", eid, log_entry_bytes(
+                        "dispute_event", eid, hashlib.sha256(ed).hexdigest())))
+                    events.append((idx, eid, did, seq, kind, actor, Jsonb(body), now, ed))
+                    idx += 1
+                disputes.append((did, rid, env_index, fixed.fingerprint_id, "bench", "resolved",
+                                 "reviewer", vid, "rejected", "ok", "ledger", now))
+            with conn.cursor() as cur:
+                for sql, rows in (
+                        ("COPY log_entries (idx, kind, ref, entry, leaf_hash) FROM STDIN",
+                         [(*e, leaf_hash(e[3])) for e in entries]),
+                        ("COPY envelopes (log_index, request_id, dsse, dsse_sha256, keyids, "
+                         "model_sha256, model_name, fingerprint_id, channel, tier, recorded_at, "
+                         "prompt_tokens, output_tokens) FROM STDIN", envs),
+                        ("COPY disputes (id, request_id, envelope_index, fingerprint_id, reason, "
+                         "state, opened_by, verdict_id, resolution, resolution_note, "
+                         "resolved_by, resolved_at) FROM STDIN", disputes),
+                        ("COPY verdicts (log_index, verdict_id, job_id, envelope_index, "
+                         "request_id, outcome, tier, worker_id, fingerprint_id, details, dsse) "
+                         "FROM STDIN", verdicts),
+                        ("COPY dispute_events (log_index, event_id, dispute_id, seq, kind, actor, "
+                         "body, at, dsse) FROM STDIN", events)):
+                    with cur.copy(sql) as copy:
+                        for row in rows:
+                            copy.write_row(row)
+            conn.commit()
+            print(f"\r  built {idx:,} / {n:,} entries", end="", flush=True)
+        conn.execute("UPDATE log_state SET size = %s", (n,))
+        conn.commit()
+    print()
+    integrate_all(engine, signer, max_entries=20_000)
+    return engine, signer
+
+
+def audit_benchmark(n: int, signatures: bool) -> list[list[object]]:
+    from ledger.log.audit import ENVELOPE_DIGEST_ONLY, LEAF_KINDS, audit
+
+    rows: list[list[object]] = []
+    with scratch_database("ledger_auditbench") as url:
+        t = time.perf_counter()
+        engine, signer = build_audit_log(url, n)
+        print(f"built and integrated {n:,} signed entries of every kind in "
+              f"{time.perf_counter() - t:.0f} s")
+        modes = [("envelope-only, digest only (before)", ENVELOPE_DIGEST_ONLY, False),
+                 ("every kind, columns and dispute trails (now)", LEAF_KINDS, False)]
+        if signatures:
+            modes += [("envelope-only + signatures (before)", ENVELOPE_DIGEST_ONLY, True),
+                      ("every kind + signatures (now)", LEAF_KINDS, True)]
+        best: dict[str, float] = {}
+        for _ in range(3):  # alternate and keep the best: the machine is shared
+            for label, kinds, sigs in modes:
+                t = time.perf_counter()
+                report = audit(engine, signer.origin, kinds=kinds, signatures=sigs)
+                el = time.perf_counter() - t
+                assert report.ok, report.problems[:5]
+                assert report.entries == n
+                best[label] = min(best.get(label, el), el)
+                print(f"  {label}: {el:.2f} s", flush=True)
+        engine.dispose()
+    for i, (label, _, _) in enumerate(modes):
+        base = best[modes[i - i % 2][0]]
+        rows.append([f"audit {n:,} entries: {label}", n / best[label],
+                     f"{best[label]:.1f} s", f"x{best[label] / base:.2f}"])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--entries", type=int, default=1_000_000)
     ap.add_argument("--samples", type=int, default=2000)
     ap.add_argument("--bundle", type=int, default=5000, help="envelopes in the verify bundle")
+    ap.add_argument("--audit-entries", type=int, default=1_000_000)
+    ap.add_argument("--audit-signatures", action="store_true",
+                    help="also time both audits with --signatures")
+    ap.add_argument("--only-audit", action="store_true", help="run only the audit comparison")
     args = ap.parse_args()
+    if args.only_audit:
+        print(f"machine: {machine()}")
+        rows = audit_benchmark(args.audit_entries, args.audit_signatures)
+        print(table(["measurement", "entries per second", "time", "vs envelope-only"], rows))
+        return
 
     from ledger.core.keys import generate_private_key, private_pem
     from ledger.core.merkle import leaf_hash, root_hash
@@ -166,9 +344,11 @@ def main() -> None:
                              f"{bundle.stat().st_size / 1e6:.0f} MB bundle", "incl. start-up"])
         engine.dispose()
         del keys
+    audit_rows = audit_benchmark(args.audit_entries, args.audit_signatures)
     print()
     print(f"log of {args.entries:,} entries; {args.samples} samples per latency")
     print(table(["measurement", "per second", "", ""], rows))
+    print(table(["measurement", "entries per second", "time", "vs envelope-only"], audit_rows))
     del leaf_hash
 
 

@@ -64,16 +64,33 @@ def integrate_command(
 def audit_command(
     against: Annotated[Optional[list[Path]], typer.Option(  # noqa: UP045
         help="A checkpoint saved outside the database (a file, or a sink directory of them); "
-             "repeatable.")] = None,
-    signatures: bool = typer.Option(False, help="Also verify every envelope's signatures."),
+             "repeatable. This is what catches a consistent rewrite by someone holding the "
+             "log key, and a tail deleted together with its checkpoints.")] = None,
+    signatures: bool = typer.Option(False, help="Also verify every record's signatures "
+                                                "(envelopes, verdicts, dispute events)."),
+    trust: Annotated[Optional[Path], typer.Option(  # noqa: UP045
+        help="Trust policy file (default: LEDGER_TRUST_POLICY_FILE): checkpoints count only "
+             "when signed by its log keys, dispute events only by its service keys; rows "
+             "of signing_keys are not believed for either.")] = None,
     database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
 ) -> None:
-    """Recompute the log from the stored entries and check every checkpoint; exit 1 naming
-    the first bad index if anything disagrees."""
+    """Recompute the log from every leaf kind's own records, cross-check every served
+    column against the signed bytes and check every checkpoint; exit 1 naming the first
+    bad index if anything disagrees."""
+    from ledger.core.errors import LedgerError
+    from ledger.core.trust import load_trust_policy
     from ledger.db.session import make_engine
     from ledger.log.audit import audit
 
     settings = settings_with(database_url)
+    trust_file = trust or settings.trust_policy_file
+    policy = None
+    if trust_file is not None:
+        try:
+            policy = load_trust_policy(trust_file)
+        except LedgerError as exc:
+            out.print(f"[red]FAIL: {exc.message}[/red]")
+            raise typer.Exit(2) from None
     saved: list[tuple[str, bytes]] = []
     for path in against or []:
         files = sorted(path.glob("checkpoint.*")) if path.is_dir() else [path]
@@ -82,22 +99,30 @@ def audit_command(
     with _progress() as bar:
         task = bar.add_task("auditing entries", total=None)
         report = audit(engine, settings.log_name, against=saved, signatures=signatures,
+                       trust=policy,
                        progress=lambda done, total: bar.update(task, completed=done,
                                                                 total=total))
     engine.dispose()
     table = Table(title="ledger audit", show_header=False)
     table.add_row("entries", f"{report.entries:,}")
     table.add_row("tree size", f"{report.tree_size:,}")
+    for kind, count in sorted(report.records_checked.items()):
+        table.add_row(f"{kind} records checked", f"{count:,}")
+    table.add_row("disputes checked against their trails", f"{report.disputes_checked:,}")
     table.add_row("checkpoints checked", f"{report.checkpoints:,}")
     table.add_row("saved checkpoints checked", f"{report.saved_checkpoints:,}")
+    table.add_row("trust roots", f"trust policy {trust_file}" if policy is not None
+                  else "signing_keys rows (pass --trust to pin them)")
     if signatures:
-        table.add_row("envelope signatures verified", f"{report.signatures_checked:,}")
+        table.add_row("record signatures verified", f"{report.signatures_checked:,}")
     out.print(table)
     if report.ok:
-        out.print("[green]OK: every entry, tile and checkpoint agrees[/green]")
+        out.print("[green]OK: every entry, record, column, tile and checkpoint agrees[/green]")
         return
     for problem in report.problems[:20]:
-        out.print(f"[red]- {problem}[/red]")
+        out.print(f"[red]- {problem}[/red]", soft_wrap=True)
+    if len(report.problems) > 20:
+        out.print(f"[red]  ... and {len(report.problems) - 20} more[/red]")
     if report.first_bad_index is not None:
         out.print(f"[red]FAIL: first bad index {report.first_bad_index}[/red]")
     else:

@@ -147,8 +147,10 @@ def test_consistent_rewrite_passes_audit_but_not_against_saved_checkpoints(
     digest = dsse_digest(dsse_bytes)
     entry = log_entry_bytes("envelope", small_log.request_ids[k], digest)
     tamper(small_log,
-           ("UPDATE envelopes SET dsse = %s, dsse_sha256 = %s WHERE log_index = %s",
-            (dsse_bytes, bytes.fromhex(digest), k)),
+           # index columns too: audit cross-checks them against the signed payload
+           ("UPDATE envelopes SET dsse = %s, dsse_sha256 = %s, recorded_at = %s "
+            "WHERE log_index = %s",
+            (dsse_bytes, bytes.fromhex(digest), st["predicate"]["recorded_at"], k)),
            ("UPDATE log_entries SET entry = %s, leaf_hash = %s WHERE idx = %s",
             (entry, leaf_hash(entry), k)),
            ("DELETE FROM checkpoints", ()), ("DELETE FROM tiles", ()),

@@ -33,6 +33,7 @@ from ledger.errors import Conflict
 from ledger.log import proofs
 from ledger.log.integrator import integrate_once
 from ledger.problems import MEDIA_TYPE, problem, problem_for
+from ledger.replay import views
 from ledger.services import envelopes as envelope_service
 from ledger.services import ingest as ingest_service
 from ledger.services.apikeys import Principal
@@ -262,9 +263,15 @@ def get_envelope(
 ) -> Response:
     dsse_bytes, fields = envelope_service.get_envelope(session, request_id)
     index = orjson.dumps(fields)
+    # Index columns that disagree with the signed payload are flagged, never served silently.
+    try:
+        integrity = views.integrity(fields, views.envelope_index(dsse_bytes),
+                                    views.ENVELOPE_INDEX_FIELDS)
+    except views.SignedRecordError as exc:
+        integrity = views.unreadable(exc)
     # The DSSE member is spliced in byte for byte: what was stored is what is served.
-    return Response(b'{"dsse":' + dsse_bytes + b',"index":' + index + b"}",
-                    media_type="application/json")
+    return Response(b'{"dsse":' + dsse_bytes + b',"index":' + index + b',"integrity":'
+                    + orjson.dumps(integrity) + b"}", media_type="application/json")
 
 
 @router.get("/envelopes", response_model=EnvelopePage, summary="Search envelopes")

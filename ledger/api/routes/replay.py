@@ -37,7 +37,7 @@ from ledger.errors import Conflict, NotFound
 from ledger.log import proofs
 from ledger.replay import disputes as dispute_service
 from ledger.replay import jobs as job_service
-from ledger.replay import reverification
+from ledger.replay import reverification, views
 from ledger.replay.records import require_signer
 from ledger.services import audit
 from ledger.services.apikeys import Principal
@@ -118,30 +118,45 @@ def _proof_or_none(session: Session, index: int | None) -> dict[str, Any] | None
 
 
 def dispute_out(session: Session, d: Dispute, *, full: bool = False) -> dict[str, Any]:
+    # state, resolution, note, resolver and verdict are folded from the signed events
+    # (ledger.replay.views); the disputes row is a cache, flagged in "integrity" if it differs
+    stored = session.scalars(select(DisputeEvent).where(DisputeEvent.dispute_id == d.id)
+                             .order_by(DisputeEvent.seq)).all()
+    signed_events = views.served_events(
+        (bytes(e.dsse), {"event_id": e.event_id, "dispute_id": e.dispute_id, "seq": e.seq,
+                         "kind": e.kind, "actor": e.actor, "body": e.body, "at": e.at})
+        for e in stored)
+    derived = views.served_dispute(signed_events, {
+        "id": d.id, "request_id": d.request_id, "state": d.state,
+        "state_reason": d.state_reason, "resolution": d.resolution,
+        "resolution_note": d.resolution_note, "resolved_by": d.resolved_by,
+        "resolved_at": d.resolved_at, "verdict_id": d.verdict_id})
     out: dict[str, Any] = {
         "id": str(d.id), "request_id": d.request_id, "envelope_log_index": d.envelope_index,
         "fingerprint_id": d.fingerprint_id, "reason": d.reason, "priority": d.priority,
-        "state": d.state, "state_reason": d.state_reason, "opened_by": d.opened_by,
-        "opened_at": d.opened_at, "updated_at": d.updated_at,
-        "job_id": str(d.job_id) if d.job_id else None, "verdict_id": d.verdict_id,
-        "resolution": d.resolution, "resolution_note": d.resolution_note,
-        "resolved_by": d.resolved_by, "resolved_at": d.resolved_at,
+        "state": derived["state"], "state_reason": derived["state_reason"],
+        "opened_by": d.opened_by, "opened_at": d.opened_at, "updated_at": d.updated_at,
+        "job_id": str(d.job_id) if d.job_id else None, "verdict_id": derived["verdict_id"],
+        "resolution": derived["resolution"], "resolution_note": derived["resolution_note"],
+        "resolved_by": derived["resolved_by"], "resolved_at": derived["resolved_at"],
+        "integrity": derived["integrity"],
     }
     if not full:
         return out
-    events = session.scalars(select(DisputeEvent).where(DisputeEvent.dispute_id == d.id)
-                             .order_by(DisputeEvent.seq)).all()
-    out["events"] = [{"seq": e.seq, "event_id": e.event_id, "kind": e.kind, "actor": e.actor,
-                      "at": e.at, "body": e.body, "log_index": e.log_index}
-                     for e in events]
+    events = stored
+    out["events"] = [{"seq": s["seq"], "event_id": s["event_id"], "kind": s["kind"],
+                      "actor": s["actor"], "at": s["at"], "body": s["body"],
+                      "log_index": e.log_index, "integrity": s["integrity"]}
+                     for e, s in zip(stored, signed_events, strict=True)]
     attempts = session.scalars(select(JobAttempt).where(JobAttempt.job_id == d.job_id)
                                .order_by(JobAttempt.id)).all() if d.job_id else []
     out["attempts"] = [{"attempt": a.attempt, "worker_id": a.worker_id,
                         "fingerprint_id": a.fingerprint_id, "started_at": a.started_at,
                         "finished_at": a.finished_at, "outcome": a.outcome, "detail": a.detail}
                        for a in attempts]
-    verdict = session.scalar(select(Verdict).where(Verdict.verdict_id == d.verdict_id)) \
-        if d.verdict_id else None
+    verdict_id = derived["verdict_id"]
+    verdict = session.scalar(select(Verdict).where(Verdict.verdict_id == verdict_id)) \
+        if verdict_id else None
     out["verdict"] = verdict_out(verdict) if verdict else None
     out["proofs"] = {
         "envelope": _proof_or_none(session, d.envelope_index),
@@ -152,11 +167,18 @@ def dispute_out(session: Session, d: Dispute, *, full: bool = False) -> dict[str
 
 
 def verdict_out(v: Verdict) -> dict[str, Any]:
-    return {"verdict_id": v.verdict_id, "log_index": v.log_index, "job_id": str(v.job_id),
-            "request_id": v.request_id, "envelope_log_index": v.envelope_index,
-            "outcome": v.outcome, "tier": v.tier, "worker_id": v.worker_id,
-            "fingerprint_id": v.fingerprint_id, "details": v.details,
-            "created_at": v.created_at, "dsse": json.loads(bytes(v.dsse))}
+    # outcome, tier, details and subject as the worker signed them (ledger.replay.views)
+    signed = views.served_verdict(bytes(v.dsse), {
+        "verdict_id": v.verdict_id, "request_id": v.request_id,
+        "envelope_index": v.envelope_index, "outcome": v.outcome, "tier": v.tier,
+        "worker_id": v.worker_id, "fingerprint_id": v.fingerprint_id, "details": v.details})
+    return {"verdict_id": signed["verdict_id"], "log_index": v.log_index,
+            "job_id": str(v.job_id), "request_id": signed["request_id"],
+            "envelope_log_index": signed["envelope_index"], "outcome": signed["outcome"],
+            "tier": signed["tier"], "worker_id": signed["worker_id"],
+            "fingerprint_id": signed["fingerprint_id"], "details": signed["details"],
+            "created_at": v.created_at, "dsse": json.loads(bytes(v.dsse)),
+            "integrity": signed["integrity"]}
 
 
 @router.post("/disputes", status_code=201, tags=["disputes"],
