@@ -79,18 +79,19 @@ def engine(db_url: str) -> Iterator[Engine]:
     eng.dispose()
 
 
-def provision(db_url: str) -> tuple[dict[str, str], Ed25519PrivateKey]:
-    """API keys for every role and a registered producer key."""
+def provision(db_url: str, signer: Any = None) -> tuple[dict[str, str], Ed25519PrivateKey]:
+    """API keys for every role and a registered producer key (with ``signer``, the
+    service key, each a registry leaf, as the API's admin paths make them)."""
     eng = make_engine(url=db_url, pool_size=1)
     keys: dict[str, str] = {}
     producer = Ed25519PrivateKey.generate()
     with session_scope(eng) as session:
         for role in ROLES:
             _, secret = create_api_key(session, name=f"test-{role}", role=role,
-                                       pepper=TEST_PEPPER)
+                                       pepper=TEST_PEPPER, signer=signer)
             keys[role] = secret
         register_key(session, public_key=public_raw(producer), purpose="producer",
-                     name="test-gateway")
+                     name="test-gateway", signer=signer)
     eng.dispose()
     return keys, producer
 

@@ -49,16 +49,27 @@ def integrate_command(
             service.ensure_registered(session)
         signer.ensure_registered(session, service)
     sink = sink_from_settings(settings.checkpoint_sink_dir)
-    while True:
-        done = integrate_all(engine, signer, max_entries=settings.integrate_max_entries,
-                             sink=sink)
-        if done:
-            console.print(f"checkpoint {done[-1].tree_size} ({sum(p.entries for p in done)} "
-                          "entries)")
-        if once:
-            break
-        time.sleep(settings.integrate_interval_ms / 1000)
-    engine.dispose()
+    from ledger.log.witnessing import WitnessLoop
+
+    witnesses = None if once else WitnessLoop.from_settings(settings, engine)
+    if witnesses is not None:
+        witnesses.start()  # submit each checkpoint to LEDGER_WITNESSES, never blocking us
+    try:
+        while True:
+            done = integrate_all(engine, signer, max_entries=settings.integrate_max_entries,
+                                 sink=sink)
+            if done:
+                console.print(f"checkpoint {done[-1].tree_size} "
+                              f"({sum(p.entries for p in done)} entries)")
+                if witnesses is not None:
+                    witnesses.wake()
+            if once:
+                break
+            time.sleep(settings.integrate_interval_ms / 1000)
+    finally:
+        if witnesses is not None:
+            witnesses.stop()
+        engine.dispose()
 
 
 def audit_command(
@@ -72,6 +83,10 @@ def audit_command(
         help="Trust policy file (default: LEDGER_TRUST_POLICY_FILE): checkpoints count only "
              "when signed by its log keys, dispute events only by its service keys; rows "
              "of signing_keys are not believed for either.")] = None,
+    witness: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045
+        help="A witness's URL (`ledger witness serve`); repeatable. The log must reach the "
+             "size it last cosigned, with the same root: catches a truncated or rewritten "
+             "tail without saved checkpoints.")] = None,
     database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
 ) -> None:
     """Recompute the log from every leaf kind's own records, cross-check every served
@@ -95,11 +110,17 @@ def audit_command(
     for path in against or []:
         files = sorted(path.glob("checkpoint.*")) if path.is_dir() else [path]
         saved.extend((str(f), f.read_bytes()) for f in files)
+    origin = policy.origin if policy is not None else settings.log_name
+    try:
+        witnessed = [_witness_view(url, origin) for url in witness or []]
+    except LedgerError as exc:
+        out.print(f"[red]FAIL: {exc.message}[/red]")
+        raise typer.Exit(2) from None
     engine = make_engine(settings, pool_size=1)
     with _progress() as bar:
         task = bar.add_task("auditing entries", total=None)
         report = audit(engine, settings.log_name, against=saved, signatures=signatures,
-                       trust=policy,
+                       trust=policy, witnessed=witnessed,
                        progress=lambda done, total: bar.update(task, completed=done,
                                                                 total=total))
     engine.dispose()
@@ -128,6 +149,24 @@ def audit_command(
     else:
         out.print("[red]FAIL[/red]")
     raise typer.Exit(1)
+
+
+def _witness_view(url: str, origin: str) -> tuple[str, int, bytes]:
+    """(witness name, size, root) a witness says it cosigned for ``origin`` (its ``GET /``)."""
+    import base64
+
+    import httpx
+
+    from ledger.core.errors import LedgerError
+
+    try:
+        info = httpx.get(url.rstrip("/") + "/", timeout=10).raise_for_status().json()
+        view = next((v for v in info["logs"] if v["origin"] == origin), None)
+        if view is None:
+            raise LedgerError(f"witness {url} does not witness the log {origin!r}")
+        return str(info["name"]), int(view["size"]), base64.b64decode(view["root_hash"])
+    except (httpx.HTTPError, KeyError, TypeError, ValueError) as exc:
+        raise LedgerError(f"witness {url}: {exc}") from None
 
 
 def export_command(

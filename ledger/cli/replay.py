@@ -112,7 +112,8 @@ def beat_command(
         integrator = IntegratorThread(engine, log_signer,
                                       max_entries=settings.integrate_max_entries,
                                       interval_ms=settings.integrate_interval_ms,
-                                      sink=sink_from_settings(settings.checkpoint_sink_dir))
+                                      sink=sink_from_settings(settings.checkpoint_sink_dir),
+                                      settings=settings)  # and LEDGER_WITNESSES' submitters
         integrator.start()
         console.print("beat integrates the log")
     console.print(f"beat ticking every {interval}s")

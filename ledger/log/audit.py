@@ -43,11 +43,13 @@ from typing import Any
 from sqlalchemy import Engine
 
 from ledger.core import dsse
+from ledger.core.cosignature import append_signature_lines, verified_witnesses
 from ledger.core.errors import LedgerError
 from ledger.core.keys import key_id
 from ledger.core.logentry import log_entry_bytes, parse_log_entry
 from ledger.core.merkle import EMPTY_ROOT, leaf_hash, verify_consistency
 from ledger.core.note import NoteVerifier, open_checkpoint
+from ledger.core.registry import RegisteredKey
 from ledger.core.tiles import (
     MemoryTileStore,
     consistency_proof_from_tiles,
@@ -56,7 +58,9 @@ from ledger.core.tiles import (
 )
 from ledger.core.trust import TrustPolicy
 from ledger.db.session import session_scope
+from ledger.log.registry import vouched_keys
 from ledger.log.signer import log_verifiers
+from ledger.log.witnessing import audit_cosignatures, stored_cosignature_lines
 from ledger.replay import views
 
 CHUNK = 5_000
@@ -159,14 +163,12 @@ def _event_view(dsse_bytes: bytes) -> dict[str, Any]:
 
 
 def _admin_view(dsse_bytes: bytes) -> dict[str, Any]:
-    # TODO(integrator): the admin-event statement is defined by the registry work
-    # (migration 0006). This assumes its predicate holds event_id, kind, actor, target,
-    # body and at, like a dispute event; adjust the names here if it differs.
+    """The signed admin event (``ledger.core.statements.admin_event_statement``): the row's
+    ``body`` holds the whole predicate."""
     p = views.open_signed(dsse_bytes).statement["predicate"]
     try:
         return {"event_id": p["event_id"], "kind": p["kind"], "actor": p["actor"],
-                "target": p.get("target"), "body": p.get("body"),
-                "at": views.parse_time(p["at"])}
+                "target": p.get("target"), "body": p, "at": views.parse_time(p["at"])}
     except (KeyError, TypeError) as exc:
         raise views.SignedRecordError(f"the signed admin event lacks {exc}") from None
 
@@ -195,25 +197,31 @@ ENVELOPE_DIGEST_ONLY: tuple[LeafKind, ...] = (
 only, digest only (kept as the benchmark's baseline)."""
 
 
-def _signing_keys(session: Any, trust: TrustPolicy | None) -> dict[str, dict[str, bytes]]:
+def _signing_keys(session: Any, trust: TrustPolicy | None,
+                  vouched: Mapping[str, RegisteredKey] | None = None,
+                  ) -> dict[str, dict[str, bytes]]:
     """{purpose: {keyid: raw public key}} that record signatures are checked with.
 
-    The one place audit looks keys up. With a trust policy the ledger's service keys come
-    from the policy only; producer and worker keys still come from ``signing_keys`` rows.
-    TODO(integrator): replace the producer/worker lookup with the registry-vouched keys
-    (registrations signed by a trust-policy service key) once that work is merged.
+    The one place audit looks keys up. With a trust policy: the ledger's service keys come
+    from the policy, producer and worker keys from the registry leaves that a policy
+    service key signed (``vouched``, :func:`ledger.log.registry.vouched_keys`); rows of
+    ``signing_keys`` alone are never believed. Without one, from ``signing_keys`` rows.
     """
+    keys: dict[str, dict[str, bytes]] = {"producer": {}, "worker": {}, "ledger": {}}
+    if trust is not None:
+        for keyid, reg in (vouched or {}).items():
+            if reg.purpose in ("producer", "worker"):
+                keys[reg.purpose][keyid] = bytes(reg.public_key)
+        keys["ledger"] = {key_id(k): bytes(k) for k in trust.service_keys}
+        return keys
     from sqlalchemy import select
 
     from ledger.db.models import SigningKey
 
-    keys: dict[str, dict[str, bytes]] = {"producer": {}, "worker": {}, "ledger": {}}
     for keyid, public_key, purpose in session.execute(
             select(SigningKey.keyid, SigningKey.public_key, SigningKey.purpose)).all():
         if purpose in keys:
             keys[purpose][keyid] = bytes(public_key)
-    if trust is not None:
-        keys["ledger"] = {key_id(k): bytes(k) for k in trust.service_keys}
     return keys
 
 
@@ -348,19 +356,34 @@ def _record_stream(conn: Any, spec: LeafKind) -> Iterator[tuple[Any, ...]]:
 
 
 def audit(engine: Engine, origin: str, *, against: Iterable[tuple[str, bytes]] = (),
+          witnessed: Iterable[tuple[str, int, bytes]] = (),
           signatures: bool = False, trust: TrustPolicy | None = None,
           kinds: tuple[LeafKind, ...] = LEAF_KINDS,
           progress: Callable[[int, int], None] | None = None) -> AuditReport:
     """Audit the whole log. With ``trust``, checkpoints (stored and saved) count only when
     signed by one of ``trust.log_keys`` and dispute events only when signed by one of
-    ``trust.service_keys`` (or, for the events a worker signs, by a worker key)."""
+    ``trust.service_keys`` (or, for the events a worker signs, by a worker key); producer
+    and worker keys only when registry leaves signed by a policy service key vouch for them
+    (and every key or API-key row without its leaf is reported); stored cosignatures must
+    verify under the policy's witness keys and reach its quorum.
+
+    ``witnessed``: (witness, size, root) that witnesses report having cosigned (``ledger
+    audit --witness URL``); like ``against``, the stored log must reach each size with that
+    root, which is what catches a tail deleted together with its checkpoints."""
     report = AuditReport(trusted=trust is not None)
     if trust is not None:
         origin = trust.origin
     ctx = _Context()
     with session_scope(engine) as session:
         verifiers = _log_verifiers(session, origin, trust)
-        keys = _signing_keys(session, trust) if signatures else None
+        vouched: dict[str, RegisteredKey] | None = None
+        if trust is not None:
+            vouched, registry_problems = vouched_keys(session, trust)
+            for index, message in registry_problems:
+                report.fail(f"registry: {message}", index)
+            for cp_size, message in audit_cosignatures(session, trust):
+                report.fail(f"witnesses: {message}", cp_size)
+        keys = _signing_keys(session, trust, vouched) if signatures else None
         conn = session.connection().connection.driver_connection
         assert conn is not None
         with conn.cursor() as cur:
@@ -385,6 +408,9 @@ def audit(engine: Engine, origin: str, *, against: Iterable[tuple[str, bytes]] =
                             + (" (with the trust policy's log keys)" if trust else ""))
                 continue
             saved.append(_Checkpoint(cp.size, cp.root_hash, note, name))
+        for name, w_size, w_root in witnessed:
+            if w_size > 0:  # a witness that has cosigned nothing yet says nothing
+                saved.append(_Checkpoint(w_size, w_root, b"", f"witness {name}"))
         report.saved_checkpoints = len(saved)
 
         verified_cps: list[_Checkpoint] = []
@@ -404,11 +430,21 @@ def audit(engine: Engine, origin: str, *, against: Iterable[tuple[str, bytes]] =
                 continue
             verified_cps.append(stored)
         report.checkpoints = len(db_cps)
-        # TODO(integrator, witness work): with trust.quorum > 0, the latest checkpoint must
-        # also carry a quorum of cosignatures: ledger.core.cosignature.check_quorum(
-        # <checkpoint note with its rows of checkpoint_cosignatures>, trust), a QuorumError
-        # reported here with index = the last size the quorum vouched for. That is the
-        # online form of the `against` check below (truncation, consistent rewrites).
+        if trust is not None and trust.witnesses:
+            # A checkpoint cosigned by the policy's witnesses is vouched for outside the
+            # database: like a saved one, the stored log must agree with it. (Cosignatures
+            # that do not verify were reported above and vouch for nothing.)
+            need = max(1, trust.quorum)
+            for vcp in verified_cps:
+                note = append_signature_lines(vcp.note, stored_cosignature_lines(session,
+                                                                                 vcp.size))
+                try:
+                    if len(verified_witnesses(note, trust.witnesses)) >= need:
+                        saved.append(_Checkpoint(vcp.size, vcp.root, note, "cosigned"))
+                except LedgerError:
+                    continue
+            report.saved_checkpoints = len(saved)
+        # With a trust policy, the witness quorum was checked above (audit_cosignatures).
 
         # Roots we must recompute: every checkpoint size, stored or saved elsewhere.
         wanted = sorted({c.size for c in db_cps} | {c.size for c in saved})

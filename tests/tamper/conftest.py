@@ -25,9 +25,10 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from sqlalchemy import select
 
+from ledger.core.cosignature import parse_cosignature_line, sign_cosignature, split_note
 from ledger.core.keys import generate_private_key, private_pem, public_raw
-from ledger.core.trust import TrustPolicy, format_trust_policy, parse_trust_policy
-from ledger.db.models import Dispute, DisputeEvent, Envelope, Verdict
+from ledger.core.trust import TrustPolicy, WitnessKey, format_trust_policy, parse_trust_policy
+from ledger.db.models import AdminEvent, Dispute, DisputeEvent, Envelope, Verdict
 from ledger.db.session import make_engine, session_scope
 from ledger.log.integrator import integrate_all
 from ledger.log.signer import LogSigner
@@ -40,7 +41,8 @@ from ledger.settings import Settings
 from tests.conftest import _admin, _drop, _sa_url, provision
 
 ORIGIN = "ledger.test/tamper"
-MODES = ("plain", "signatures", "trust", "against")
+MODES = ("plain", "signatures", "trust", "against", "witness")
+WITNESS = "witness.tamper.test"
 RESULTS: list[dict[str, Any]] = []
 TABLE_FILE: list[Path] = []
 
@@ -64,6 +66,10 @@ class Built:
     disputes: dict[str, dict[str, Any]]  # name -> {"id", "events": [(idx, kind)]}
     tail: list[int] = field(default_factory=list)  # indices of the envelopes at the end
     api_keys: dict[str, str] = field(default_factory=dict)  # role -> API key
+    #: registration leaves (admin_events) by the purpose of the key they register
+    admin: dict[str, int] = field(default_factory=dict)
+    #: (witness, size, root) the witness last cosigned (`ledger audit --witness URL`)
+    witness_view: tuple[str, int, bytes] = ("", 0, b"")
 
     def saved(self) -> list[tuple[str, bytes]]:
         return [(str(p), p.read_bytes()) for p in sorted(self.sink.glob("checkpoint.*"))]
@@ -94,17 +100,21 @@ def build(db_url: str, tiny_engine: Any, tmp: Path) -> dict[str, Any]:
     from tests.replay.conftest import record, tamper
     from workers.replay import ReplayWorker
 
-    api_keys, producer = provision(db_url)
     settings = Settings(database_url=db_url, log_name=ORIGIN, worker_dead_after_s=300)
     db = make_engine(settings, pool_size=2)
     log_signer = LogSigner(ORIGIN, generate_private_key())
     service = Signer(generate_private_key(), "ledger", "ledger-service")
     worker_signer = Signer(generate_private_key(), "worker", "tamper-worker")
     sink = DirectorySink(tmp / "sink")
+    # every key and API key registered as production does: each a registry leaf signed by
+    # the service key (the service key's own registration signed by itself)
     with session_scope(db) as s:
-        log_signer.ensure_registered(s)
         service.ensure_registered(s)
-        worker_signer.ensure_registered(s)
+        log_signer.ensure_registered(s, service)
+        worker_signer.ensure_registered(s, service)
+    api_keys, producer = provision(db_url, signer=service)
+    trust = parse_trust_policy(format_trust_policy(ORIGIN, [log_signer.public_key],
+                                                   [public_raw(service.key)]))
     recs = record(tiny_engine, producer, 8, seed=7, prefix="tamper", max_tokens=8)
     forged = [tamper(recs[2], producer, k=2, new_request_id="forged-2"),
               tamper(recs[5], producer, k=1, new_request_id="forged-5")]
@@ -113,7 +123,8 @@ def build(db_url: str, tiny_engine: Any, tmp: Path) -> dict[str, Any]:
     assert all(r.status == 201 for r in res), [r.error for r in res if r.error]
     integrate_all(db, log_signer, max_entries=1, sink=sink)
 
-    worker = ReplayWorker(settings, db, models=["tiny-demo"], signer=worker_signer)
+    worker = ReplayWorker(settings, db, models=["tiny-demo"], signer=worker_signer,
+                          trust=trust)
     worker.register()
     ids: dict[str, str] = {}
     for name, rid in (("rejected", recs[0].request_id), ("upheld", "forged-2"),
@@ -144,12 +155,31 @@ def build(db_url: str, tiny_engine: Any, tmp: Path) -> dict[str, Any]:
     assert all(r.status == 201 for r in res)
     integrate_all(db, log_signer, max_entries=1, sink=sink)
 
+    # A witness cosigned every checkpoint as it was published (what the integrator's
+    # submitter stores after `ledger witness serve` answers); it remembers the newest.
+    witness_key = generate_private_key()
+    with session_scope(db) as s:
+        conn = s.connection().connection.driver_connection
+        rows = conn.execute("SELECT tree_size, root_hash, note FROM checkpoints "
+                            "ORDER BY tree_size").fetchall()
+        for size, _, note in rows:
+            line = sign_cosignature(split_note(bytes(note))[0], WITNESS, witness_key,
+                                    1_700_000_000 + size)
+            c = parse_cosignature_line(line)
+            conn.execute("INSERT INTO checkpoint_cosignatures (tree_size, witness_name, key_id, "
+                         "timestamp, signature) VALUES (%s, %s, %s, %s, %s)",
+                         (size, WITNESS, c.key_id, c.timestamp, line))
+    witness_view = (WITNESS, rows[-1][0], bytes(rows[-1][1]))
+
     layout: dict[str, Any] = {"verdicts": {}, "disputes": {}}
     with session_scope(db) as s:
         conn = s.connection().connection.driver_connection
         layout["entries"] = [tuple(r) for r in conn.execute(
             "SELECT idx, kind, ref FROM log_entries ORDER BY idx").fetchall()]
         layout["env_index"] = {e.request_id: e.log_index for e in s.scalars(select(Envelope))}
+        layout["admin"] = {a.body["key"]["purpose"]: a.log_index
+                           for a in s.scalars(select(AdminEvent))
+                           if a.kind == "signing_key.registered"}
         for name, did in ids.items():
             d = s.get(Dispute, uuid.UUID(did))
             assert d is not None and d.verdict_id
@@ -171,6 +201,8 @@ def build(db_url: str, tiny_engine: Any, tmp: Path) -> dict[str, Any]:
     layout["tail"] = [layout["env_index"][r.request_id] for r in tail]
     db.dispose()
     return {"api_keys": api_keys, "producer": producer, "log_signer": log_signer,
+            "witness_view": witness_view,
+            "witness": WitnessKey.from_public_key(WITNESS, public_raw(witness_key)),
             "service": service, "worker": worker_signer, "sink": sink.dir, **layout}
 
 
@@ -183,7 +215,8 @@ def built(template_db: str, tiny_engine: Any,
     try:
         parts = build(_sa_url(name), tiny_engine, tmp)
         trust_text = format_trust_policy(ORIGIN, [parts["log_signer"].public_key],
-                                         [public_raw(parts["service"].key)])
+                                         [public_raw(parts["service"].key)],
+                                         [parts.pop("witness")], quorum=1)
         trust_file = tmp / "trust.toml"
         trust_file.write_text(trust_text)
         (tmp / "log.pem").write_bytes(private_pem(parts["log_signer"].key))

@@ -64,6 +64,9 @@ def run_mode(built: Built, url: str, mode: str) -> AuditReport:
             return audit(engine, ORIGIN, signatures=True)
         if mode == "trust":
             return audit(engine, ORIGIN, signatures=True, trust=built.trust)
+        if mode == "witness":  # the trust policy, plus what its witness last cosigned
+            return audit(engine, ORIGIN, signatures=True, trust=built.trust,
+                         witnessed=[built.witness_view])
         assert mode == "against"
         return audit(engine, ORIGIN, against=built.saved())
     finally:
@@ -132,6 +135,16 @@ KINDS = (
              "kind": "'comment'",
              "actor": "'mallory (admin)'",
              "body": "jsonb_set(body, '{resolution}', '\"rejected\"')",
+             "at": "at + interval '1 second'",
+         }),
+    # the registry leaf that vouches for the producer key (and the worker key's)
+    Kind("admin_event", "admin_events", lambda b: b.admin["producer"],
+         lambda b: b.admin["worker"], {
+             "event_id": "event_id || '-x'",
+             "kind": "'signing_key.revoked'",
+             "actor": "'mallory (admin)'",
+             "target": "repeat('b', 64)",
+             "body": "jsonb_set(body, '{key,purpose}', '\"worker\"')",
              "at": "at + interval '1 second'",
          }),
 )
@@ -295,6 +308,7 @@ def truncate_tail(b: Built, url: str) -> tuple[int, str]:
     superuser(url,
               ("DELETE FROM envelopes WHERE log_index >= %s", (m,)),
               ("DELETE FROM log_entries WHERE idx >= %s", (m,)),
+              ("DELETE FROM checkpoint_cosignatures WHERE tree_size > %s", (m,)),
               ("DELETE FROM checkpoints WHERE tree_size > %s", (m,)),
               ("UPDATE log_state SET size = %s", (m,)),
               ("UPDATE log_tree SET size = %s, root_hash = (SELECT root_hash FROM checkpoints "
@@ -363,7 +377,9 @@ def consistent_rewrite(b: Built, url: str) -> tuple[int, str]:
     _replace_record(url, "envelopes", "envelope", k, ENVELOPE, new,
                     dsse_sha256=hashlib.sha256(new).digest())
     _resign_log(url, b.log_signer)
-    return k, f"history was rewritten at entry {k}"
+    # and the cosignatures the rewrite invalidated go too: what is left all verifies
+    superuser(url, ("DELETE FROM checkpoint_cosignatures WHERE tree_size > %s", (k,)))
+    return k, "history was rewritten at entr"  # "y 13", or "ies 13..N-1" from a witness
 
 
 def _a(kind: str) -> str:
@@ -395,8 +411,8 @@ def _cases() -> list[Case]:
         Case("dispute-row-deleted", "a disputes row deleted (its signed trail stays)",
              "plain", _delete_dispute_row),
         Case("tail-truncated-with-checkpoints", "newest entries deleted with their "
-             "checkpoints, log_state and log_tree wound back", "against", truncate_tail,
-             ("plain", "signatures", "trust")),
+             "checkpoints and cosignatures, log_state and log_tree wound back", "witness",
+             truncate_tail, ("plain", "signatures", "trust")),
         Case("forged-producer-and-log-key", "forged producer + log key rows, an envelope "
              "rewritten and the log re-signed with the forged key", "trust",
              forged_log_and_producer_keys, ("plain", "signatures")),
@@ -407,8 +423,8 @@ def _cases() -> list[Case]:
              "key holder (worker signature now invalid)", "signatures",
              verdict_rewritten_with_log_key, ("plain",)),
         Case("consistent-rewrite-real-keys", "validly re-signed envelope, log re-signed "
-             "with the real log key", "against", consistent_rewrite,
-             ("plain", "signatures", "trust")),
+             "with the real log key, invalidated cosignatures deleted", "witness",
+             consistent_rewrite, ("plain", "signatures")),
     ]
     return cases
 
@@ -428,7 +444,8 @@ def test_clean_log_passes_every_mode(built: Built, copy_url: str) -> None:
     assert reports["plain"].records_checked == {
         "envelope": len(built.env_index),
         "verdict": sum(1 for _, kind, _ in built.entries if kind == "verdict"),
-        "dispute_event": sum(1 for _, kind, _ in built.entries if kind == "dispute_event")}
+        "dispute_event": sum(1 for _, kind, _ in built.entries if kind == "dispute_event"),
+        "admin_event": sum(1 for _, kind, _ in built.entries if kind == "admin_event")}
     assert reports["plain"].disputes_checked == 3
     assert reports["against"].saved_checkpoints == len(built.entries)
 
