@@ -45,6 +45,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+# run as a script, this file's folder is sys.path[0] and `import vllm` would import itself
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 sys.path.insert(0, str(ROOT))
 
 from workers.engine.api import GenerationRequest, SamplingParams  # noqa: E402

@@ -284,10 +284,10 @@ class VLLMEngine:
     ) -> None:
         self.dtype, self.tensor_parallel_size = dtype, tensor_parallel_size
         self.attention_backend, self.max_batch = attention_backend, max_batch
-        self.env = dict(VLLM_ENV) if batch_invariant else {
-            "VLLM_BATCH_INVARIANT": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-        if not batch_invariant:      # vLLM's own choice of sampler
-            os.environ.pop("VLLM_USE_FLASHINFER_SAMPLER", None)
+        # as shipped = the flag off; the FlashInfer sampler stays off (vLLM imports
+        # flashinfer for it, which our GPU host does not have; seeded requests never use it)
+        self.env = dict(VLLM_ENV) if batch_invariant else {**VLLM_ENV,
+                                                           "VLLM_BATCH_INVARIANT": "0"}
         os.environ.update(self.env)   # before vllm's import; kept for its worker processes
         import vllm
         from vllm.engine.arg_utils import EngineArgs
@@ -303,7 +303,13 @@ class VLLMEngine:
             attention_backend=attention_backend, max_batch=max_batch, seed=seed,
             accepted=accepted or None, scheduler=scheduler, extra=extra_engine_args,
         ))
-        self.settings = settings_from_config(self.llm.llm_engine.vllm_config)
+        vllm_config = self.llm.llm_engine.vllm_config
+        self.settings = settings_from_config(vllm_config)
+        if self.settings["flash_attn_version"] is None and attention_backend == "FLASH_ATTN":
+            from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+
+            self.settings["flash_attn_version"] = get_flash_attn_version(
+                head_size=vllm_config.model_config.get_head_size())
         self.pin = vllm_plugin.pin_flags()
         self._runtime = runtime_from(
             version=vllm.__version__, device=self._device(), dtype=dtype,
