@@ -12,6 +12,7 @@ flags once per process). Measured: docs/engine.md, "vLLM: what the flag covers".
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import random
 import struct
@@ -62,9 +63,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
                  tmp_path_factory.mktemp("llama") / "small-llama")
     if not (model / "config.json").is_file():
         write_checkpoint(model, SMALL_LLAMA, seed=3)
-    return VLLMEngine(str(model), dtype="bfloat16", max_batch=64,
-                      extra_engine_args={"gpu_memory_utilization": 0.5,
-                                         "max_model_len": 2048})
+    extra = {"gpu_memory_utilization": 0.5, "max_model_len": 2048,
+             **json.loads(os.environ.get("LEDGER_VLLM_TEST_ENGINE_ARGS") or "{}")}
+    return VLLMEngine(str(model), dtype="bfloat16", max_batch=64, extra_engine_args=extra)
 
 
 def _bits(result: Any) -> tuple[list[int], list[bytes]]:
@@ -135,6 +136,7 @@ def test_fingerprint_records_what_changes_numerics(engine: Any) -> None:
                 "cudagraph_mode", "block_size"):
         assert key in flags, key
     assert flags["async_scheduling"] is False and flags["enable_prefix_caching"] is False
+    assert flags["enable_chunked_prefill"] is False
     assert flags["flash_attn_version"] == 3
 
 

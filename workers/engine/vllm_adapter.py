@@ -52,7 +52,11 @@ BATCH_THRESHOLDS = (8, 44)
 SCHEDULER_DEFAULTS: dict[str, Any] = {
     "max_num_seqs": 64,
     "max_num_batched_tokens": 8192,
-    "enable_chunked_prefill": True,
+    # Measured: with chunking on, requests whose prefill was split (batches of >= 43 with
+    # ~350-token prompts, 8192-token budget) differed from their runs alone, greedy too.
+    # Off, a prompt is never split (it waits for a step with room); max_model_len must then
+    # be <= max_num_batched_tokens (the engine defaults it to that).
+    "enable_chunked_prefill": False,
     "long_prefill_token_threshold": 0,
     "max_num_partial_prefills": 1,
     "async_scheduling": False,
@@ -112,6 +116,8 @@ def vllm_engine_kwargs(
         "logprobs_mode": "raw_logprobs",
         **(extra or {}),
     }
+    if not sched["enable_chunked_prefill"]:
+        kwargs.setdefault("max_model_len", sched["max_num_batched_tokens"])
     if accepted is not None:
         kwargs = {k: v for k, v in kwargs.items() if k in accepted}
     return kwargs
@@ -164,6 +170,8 @@ def invariance_problems(version: str, env: Mapping[str, str], settings: Mapping[
         problems.append("async scheduling is on")
     if settings.get("enable_prefix_caching"):
         problems.append("prefix caching is on")
+    if settings.get("enable_chunked_prefill"):
+        problems.append("chunked prefill is on (a split prefill is not batch invariant)")
     if int(settings.get("max_num_seqs") or 0) > MAX_INVARIANT_SEQS:
         problems.append(f"max_num_seqs > {MAX_INVARIANT_SEQS}")
     if not pin.get("plugin"):
@@ -297,6 +305,16 @@ class VLLMEngine:
         if pin:
             vllm_plugin.register()
         accepted = set(getattr(EngineArgs, "__dataclass_fields__", {}))
+        extra = dict(extra_engine_args or {})
+        if "max_model_len" not in extra:    # <= the token budget (no chunked prefill)
+            import json
+            from pathlib import Path
+
+            cfg = json.loads((Path(model) / "config.json").read_text("utf-8"))
+            budget = {**SCHEDULER_DEFAULTS, **(scheduler or {})}["max_num_batched_tokens"]
+            extra["max_model_len"] = min(budget, int(cfg.get("max_position_embeddings")
+                                                     or budget))
+        extra_engine_args = extra
         self._vllm = vllm
         self.llm = vllm.LLM(**vllm_engine_kwargs(
             model, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
