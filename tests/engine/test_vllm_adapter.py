@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
 
 from workers.engine import vllm_plugin
-from workers.engine.api import GenerationRequest, SamplingParams
+from workers.engine.api import SamplingParams
 from workers.engine.selfcheck import self_check_sizes
 from workers.engine.vllm_adapter import (
     RESOLVED_DEFAULTS,
@@ -156,7 +155,7 @@ def test_settings_are_read_from_vllm_config() -> None:
         FULL_AND_PIECEWISE = (2, 1)
 
     cfg = SimpleNamespace(
-        scheduler_config=SimpleNamespace(max_num_seqs=64, max_num_batched_tokens=8192,
+        scheduler_config=SimpleNamespace(max_num_seqs=16, max_num_batched_tokens=8192,
                                          enable_chunked_prefill=False,
                                          long_prefill_token_threshold=0,
                                          max_num_partial_prefills=1, async_scheduling=False),
@@ -235,22 +234,4 @@ def test_self_check_sizes_straddle_every_threshold() -> None:
     assert self_check_sizes(32, ()) == [1, 6, 32]
     assert self_check_sizes(4, (8,)) == [1, 4]
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
-def test_vllm_is_batch_invariant_on_gpu() -> None:
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from workers.engine.reference import TINY_DEMO_DIR
-    from workers.engine.vllm_adapter import VLLMEngine
-
-    engine = VLLMEngine(str(TINY_DEMO_DIR), dtype="bfloat16", max_batch=16)
-    requests = [GenerationRequest(f"r{i}", tuple(range(1, 3 + 5 * i)), SamplingParams(
-        max_tokens=8, temperature=0.8 if i % 2 else 0.0, seed=i, logprobs=2))
-        for i in range(16)]
-    alone = [engine.generate([r], max_batch=1)[0] for r in requests]
-    batched = engine.generate(requests, max_batch=16)
-    for a, b in zip(alone, batched, strict=True):
-        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
-    assert engine.runtime()["engine"] == "vllm"
+# The GPU integration tests are in tests/engine/test_vllm_gpu.py.

@@ -47,8 +47,10 @@ ADMITTED = {
     "min_p+penalties": {"temperature": 1.0, "min_p": 0.05, "repetition_penalty": 1.1,
                         "presence_penalty": 0.2, "frequency_penalty": 0.1},
 }
-#: On both sides of vLLM's sampler switch (8 rows) and the reported ~44, up to max_num_seqs.
-SIZES = (1, 3, 7, 8, 9, 17, 43, 44, 45, 64)
+#: Admitted sizes (<= MAX_INVARIANT_SEQS = 16), both sides of vLLM's sampler switch at 8.
+SIZES = (1, 3, 7, 8, 9, 16)
+#: Beyond the admitted limit: measured to differ (needles with long prompts).
+BEYOND = (43, 64)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +67,9 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Any:
         write_checkpoint(model, SMALL_LLAMA, seed=3)
     extra = {"gpu_memory_utilization": 0.5, "max_model_len": 2048,
              **json.loads(os.environ.get("LEDGER_VLLM_TEST_ENGINE_ARGS") or "{}")}
+    # max_num_seqs 64 so the sizes beyond the admitted 16 can be run too: this engine's
+    # runtime is therefore labelled not batch invariant (asserted below); the admitted
+    # sizes are all <= 16, where a 16-seq engine schedules the same batches.
     return VLLMEngine(str(model), dtype="bfloat16", max_batch=64, extra_engine_args=extra)
 
 
@@ -80,9 +85,7 @@ def _request(rng: random.Random, rid: str, mode: dict[str, Any], seed: int,
         max_tokens=rng.randrange(24, 48), ignore_eos=ignore_eos, logprobs=2, **mode, **extra))
 
 
-def test_needle_is_invariant_for_every_admitted_mode(engine: Any) -> None:
-    """Each needle alone vs at every size in SIZES (co-tenants of every admitted mode,
-    random positions) and shuffled: identical token IDs and logprob bits."""
+def _needle_differences(engine: Any, sizes: tuple[int, ...]) -> tuple[int, list[str]]:
     rng = random.Random(5)
     needles = [_request(rng, f"needle-{name}", mode, 100 + i)
                for i, (name, mode) in enumerate(ADMITTED.items())]
@@ -98,37 +101,62 @@ def test_needle_is_invariant_for_every_admitted_mode(engine: Any) -> None:
                 n += 1
                 batch.insert(rng.randrange(len(batch) + 1), _request(
                     rng, f"co-{size}-{start}-{n}", modes[n % len(modes)], rng.randrange(10**6)))
-            if size == 64:
+            if size == max(sizes):
                 rng.shuffle(batch)
             for req, res in zip(batch, engine.generate(batch, max_batch=size), strict=True):
                 if req.id in alone:
                     compared += 1
                     if _bits(res) != alone[req.id]:
                         differ.append(f"{req.id} at batch {size}")
-    assert compared == len(SIZES) * len(needles)
+    assert compared == len(sizes) * len(needles)
+    return compared, differ
+
+
+def test_needle_is_invariant_for_every_admitted_mode(engine: Any) -> None:
+    """Each needle (prompts of 8-700 tokens) alone vs at every admitted size (co-tenants of
+    every admitted mode, random positions; the largest batch shuffled): identical token
+    IDs and logprob bits."""
+    _, differ = _needle_differences(engine, SIZES)
+    assert not differ, differ
+
+
+@pytest.mark.xfail(strict=True, reason="measured: vLLM 0.25 with the flag and the pin is not "
+                   "batch invariant at 43+ sequences with long prompts; so not admitted")
+def test_needle_beyond_the_admitted_batch_size_differs(engine: Any) -> None:
+    _, differ = _needle_differences(engine, BEYOND)
     assert not differ, differ
 
 
 def test_worker_self_check_passes(engine: Any) -> None:
     from workers.engine.selfcheck import self_check_engine, self_check_sizes
 
-    compared = self_check_engine(engine, name="small-llama", max_batch=64)
-    assert set(compared) == set(self_check_sizes(64, engine.batch_thresholds))
-    assert {7, 8, 9, 43, 44, 45, 64} <= set(compared)
+    compared = self_check_engine(engine, name="small-llama", max_batch=16)
+    assert set(compared) == set(self_check_sizes(16, engine.batch_thresholds))
+    assert {7, 8, 9, 16} <= set(compared)
 
 
 def test_unseeded_sampling_is_refused(engine: Any) -> None:
     from workers.engine.vllm_adapter import NotDeterministic
 
-    unseeded = GenerationRequest("u", (1, 2, 3), SamplingParams(temperature=0.8, max_tokens=4))
+    unseeded = SamplingParams(temperature=0.8, max_tokens=4)
     with pytest.raises(NotDeterministic, match="seed"):
-        engine.generate([unseeded], max_batch=1)
+        engine.check_deterministic(unseeded)
+    engine.check_deterministic(SamplingParams(temperature=0.8, top_k=5, seed=1))  # pinned
 
 
 def test_fingerprint_records_what_changes_numerics(engine: Any) -> None:
+    from workers.engine.vllm_adapter import runtime_from
+
     runtime = engine.runtime()
     flags = runtime["engine_flags"]
-    assert runtime["batch_invariant"] is True, runtime.get("not_batch_invariant_because")
+    # this engine runs 64 sequences: labelled, with the reason
+    assert runtime["batch_invariant"] is False
+    assert "max_num_seqs > 16" in runtime["not_batch_invariant_because"]
+    admitted = runtime_from(
+        version=runtime["engine_version"], device={}, dtype="bfloat16",
+        tensor_parallel_size=1, attention_backend="FLASH_ATTN", env=engine.env,
+        settings={**engine.settings, "max_num_seqs": 16}, pin=engine.pin)
+    assert admitted["batch_invariant"] is True, admitted.get("not_batch_invariant_because")
     assert "VLLM_ATTENTION_BACKEND" not in flags
     assert flags["plugin"] == "inference_ledger_pin/1" and flags["topk_topp_path"] == "pytorch"
     for key in ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill",

@@ -10,10 +10,13 @@ pure functions below need no vLLM and are unit tested; the engine imports vLLM l
 vLLM does not expose logits, so results carry no ``logits_sha256`` (an empty list each).
 
 What the deterministic channel admits (:func:`deterministic_problem`): greedy, and seeded
-sampling with any temperature/top_p/top_k/min_p/penalties, on a supported vLLM with the pin
-active. Refused: sampling without a seed (vLLM draws it from a generator the whole batch
-shares), and top_k/top_p when the pin is not active. A runtime that is not fully pinned
-reports ``batch_invariant: false`` (so a gateway labels its traffic ``performance``).
+sampling with any temperature/top_p/top_k/min_p/penalties, on vLLM 0.25 with the pin
+active, compiled (not eager), chunked prefill, prefix caching and async scheduling off,
+and at most :data:`MAX_INVARIANT_SEQS` sequences in flight. Refused: sampling without a
+seed (vLLM draws it from a generator the whole batch shares), and top_k/top_p when the pin
+is not active. A runtime outside these limits reports ``batch_invariant: false`` (so a
+gateway labels its traffic ``performance``) with the reasons in
+``not_batch_invariant_because``.
 Measurements: docs/engine.md, "vLLM: what the flag covers and what it does not".
 """
 
@@ -40,9 +43,14 @@ NUMERIC_ENV = ("VLLM_BATCH_INVARIANT", "VLLM_USE_FLASHINFER_SAMPLER")
 DEFAULT_ATTENTION_BACKEND = "FLASH_ATTN"
 #: vLLM releases this adapter has been measured against (README: supported versions).
 SUPPORTED_VLLM = ("0.25.",)
-#: Largest max_num_seqs admitted as batch invariant: issue trackers report vLLM's
-#: batch-invariant RMSNorm changing its block size at >= 256 concurrent decodes.
-MAX_INVARIANT_SEQS = 255
+#: Largest max_num_seqs admitted as batch invariant. Measured on an H200 (docs/engine.md):
+#: with a small Llama (hidden 1024, head_dim 64) and prompts of 8-700 tokens, every needle
+#: (greedy too) was identical at batch sizes up to 17 and differed at 43 and 44 (the
+#: failure report was cut there) in three runs: compiled with chunked prefill on, and with
+#: it off compiled (FULL_AND_PIECEWISE graphs, then FULL_DECODE_ONLY) and eager;
+#: issue trackers report divergence from ~44 sequences in flight and a batch-invariant
+#: RMSNorm block-size change at >= 256. 16 is the largest size measured safe with margin.
+MAX_INVARIANT_SEQS = 16
 #: Batch sizes where vLLM changes a code path (sampler: 8 rows) or where divergence has
 #: been reported (~44 sequences in flight); the self-check runs both sides of each.
 BATCH_THRESHOLDS = (8, 44)
@@ -50,7 +58,7 @@ BATCH_THRESHOLDS = (8, 44)
 #: Scheduler and cache settings the adapter pins (every one changes numerics or which
 #: requests share a step) and records in the fingerprint.
 SCHEDULER_DEFAULTS: dict[str, Any] = {
-    "max_num_seqs": 64,
+    "max_num_seqs": MAX_INVARIANT_SEQS,
     "max_num_batched_tokens": 8192,
     # Measured: with chunking on, requests whose prefill was split (batches of >= 43 with
     # ~350-token prompts, 8192-token budget) differed from their runs alone, greedy too.
@@ -173,7 +181,10 @@ def invariance_problems(version: str, env: Mapping[str, str], settings: Mapping[
     if settings.get("enable_chunked_prefill"):
         problems.append("chunked prefill is on (a split prefill is not batch invariant)")
     if int(settings.get("max_num_seqs") or 0) > MAX_INVARIANT_SEQS:
-        problems.append(f"max_num_seqs > {MAX_INVARIANT_SEQS}")
+        problems.append(f"max_num_seqs > {MAX_INVARIANT_SEQS} (measured: needles with long "
+                        "prompts differ from their runs alone at batch >= 43)")
+    if settings.get("enforce_eager") or settings.get("compilation_mode") in ("NONE", 0):
+        problems.append("eager mode (measured: min_p + penalties not batch invariant)")
     if not pin.get("plugin"):
         problems.append("the top-k/top-p path is not pinned (inference_ledger_pin plugin)")
     return problems
@@ -285,7 +296,8 @@ class VLLMEngine:
 
     def __init__(
         self, model: str, *, dtype: str = "bfloat16", tensor_parallel_size: int = 1,
-        attention_backend: str = DEFAULT_ATTENTION_BACKEND, max_batch: int = 64, seed: int = 0,
+        attention_backend: str = DEFAULT_ATTENTION_BACKEND,
+        max_batch: int = MAX_INVARIANT_SEQS, seed: int = 0,
         batch_invariant: bool = True, pin: bool = True,
         scheduler: Mapping[str, Any] | None = None,
         extra_engine_args: Mapping[str, Any] | None = None,
@@ -359,11 +371,10 @@ class VLLMEngine:
     def generate(
         self, requests: Sequence[GenerationRequest], *, max_batch: int
     ) -> list[GenerationResult]:
-        """Run ``requests`` in groups of ``max_batch``. On a batch-invariant runtime every
-        request must be admitted by the deterministic channel (:class:`NotDeterministic`)."""
-        if max_batch > self.max_batch:
-            raise ValueError(f"max_batch {max_batch} exceeds the engine's max_num_seqs "
-                             f"{self.max_batch}")
+        """Run ``requests`` in groups of ``max_batch`` (at most the engine's max_num_seqs).
+        On a batch-invariant runtime every request must be admitted by the deterministic
+        channel (:class:`NotDeterministic`)."""
+        max_batch = max(1, min(max_batch, self.max_batch))
         if self.batch_invariant:
             for r in requests:
                 self.check_deterministic(r.sampling)
