@@ -80,7 +80,7 @@ def register() -> None:
                     "top-k/top-p path is NOT pinned", vllm.__version__, SUPPORTED_VLLM)
         return
     path = topk_path()
-    sampler = importlib.import_module(SAMPLER_MODULE)
+    sampler: Any = importlib.import_module(SAMPLER_MODULE)
     if path == "triton" and not getattr(sampler, "HAS_TRITON", False):
         raise RuntimeError("INFERENCE_LEDGER_VLLM_TOPK_PATH=triton but vLLM has no Triton")
     current = sampler.apply_top_k_top_p
@@ -88,12 +88,12 @@ def register() -> None:
         return
     original = getattr(current, "inference_ledger_original", current)
     pinned = make_pinned(sampler, path)
-    pinned.inference_ledger_original = original  # type: ignore[attr-defined]
+    pinned.inference_ledger_original = original
     patched = [SAMPLER_MODULE]
     sampler.apply_top_k_top_p = pinned
     for name in IMPORTERS:
         try:
-            module = importlib.import_module(name)
+            module: Any = importlib.import_module(name)
         except ImportError:      # an optional runner: nothing imported the function there
             continue
         if hasattr(module, "apply_top_k_top_p"):
