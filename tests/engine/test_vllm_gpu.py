@@ -93,7 +93,7 @@ def _needle_differences(engine: Any, sizes: tuple[int, ...]) -> tuple[int, list[
     modes = list(ADMITTED.values())
     differ: list[str] = []
     compared = 0
-    for size in SIZES:
+    for size in sizes:
         for start in range(0, len(needles), max(1, min(size, len(needles)))):
             batch = needles[start:start + size]
             n = 0
