@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import random
 import socket
 import threading
 import time
@@ -61,16 +60,13 @@ from ledger.replay.records import Signer
 from ledger.replay.verdicts import store_verdict
 from ledger.settings import Settings
 from workers.engine.api import GenerationRequest, GenerationResult, SamplingParams
+from workers.engine.selfcheck import SelfCheckFailed, self_check_engine  # noqa: F401 - re-export
 
 log = logging.getLogger("ledger.worker")
 
 #: Generous limits for reading envelopes back: the ledger already enforced its own.
 READ_LIMITS = Limits(max_prompt_tokens=10**7, max_output_tokens=10**7, max_token_id=2**31,
                      max_top_logprobs=10**4)
-
-
-class SelfCheckFailed(RuntimeError):
-    pass
 
 
 class NoTrustPolicy(RuntimeError):
@@ -178,27 +174,16 @@ class ReplayWorker:
         return self._engines[digest]
 
     def self_check(self, n: int = 6) -> None:
-        """Each request alone vs all together with co-tenants: must be bit-identical."""
-        rng = random.Random(1234)  # noqa: S311 - test inputs, not a secret
+        """Each request alone vs among co-tenants, greedy, top_k, top_p and both, at batch
+        sizes on both sides of every threshold the engine declares
+        (``engine.batch_thresholds``: vLLM's sampler switches path at 8 rows; ~44 reported),
+        up to the worker's ``max_batch``: must be bit-identical (:func:`self_check_engine`)."""
         for digest in self.models:
             engine = self.engine_for(digest)
-            vocab = int(engine.config.vocab_size) if hasattr(engine, "config") \
-                else 256
-            reqs = [GenerationRequest(
-                id=f"self-check-{i}",
-                prompt_token_ids=tuple(rng.randrange(min(vocab, 256)) for _ in range(
-                    rng.randrange(2, 24))),
-                sampling=SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, seed=i,
-                                        max_tokens=8, logprobs=2, ignore_eos=True))
-                for i in range(n)]
-            alone = [engine.generate([r], max_batch=1)[0] for r in reqs]
-            together = engine.generate(reqs, max_batch=n)
-            for a, b in zip(alone, together, strict=True):
-                if (a.token_ids, a.logprobs, a.logits_sha256) != (b.token_ids, b.logprobs,
-                                                                   b.logits_sha256):
-                    raise SelfCheckFailed(
-                        f"{self.models[digest].name}: request {a.id} differs alone vs in a "
-                        f"batch of {n}; this engine is not batch invariant here")
+            self_check_engine(engine, name=self.models[digest].name,
+                              max_batch=min(self.max_batch, getattr(engine, "max_batch",
+                                                                    self.max_batch)),
+                              minimum=n)
 
     # ------------------------------------------------------------------ registration
     def register(self) -> None:
