@@ -11,7 +11,10 @@ lags."""
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,7 +28,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ledger.core.cosignature import QuorumError, check_quorum
-from ledger.core.keys import generate_private_key, private_pem, public_raw
+from ledger.core.keys import generate_private_key, key_id, private_pem, public_raw
 from ledger.core.merkle import consistency_proof, leaf_hash, root_hash
 from ledger.core.note import (
     Checkpoint,
@@ -34,11 +37,11 @@ from ledger.core.note import (
     open_checkpoint,
     sign_checkpoint,
 )
-from ledger.core.trust import TrustPolicy, parse_witness_key
+from ledger.core.trust import TrustPolicy, format_trust_policy, parse_witness_key
 from ledger.db.session import make_engine, session_scope
 from ledger.log.witnessing import audit_cosignatures, cosigned_note
 from tests.conftest import provision
-from tests.helpers import ApiServer, free_port, run_server, signed, statement
+from tests.helpers import REPO, ApiServer, free_port, run_server, signed, statement
 from tests.witness import spec_cosig
 from tests.witness.helpers import make_witness_key, run_witness
 
@@ -242,6 +245,46 @@ def test_witnessed_log_lifecycle(setup: Setup) -> None:
         served = httpx.get(s.api.base_url + "/log/checkpoint", timeout=10).content
         assert spec_cosig.verify(served, witness.name, witness.public_key) > 0
     assert _audit(s, policy, now=datetime.now(UTC) + timedelta(hours=2)) == []
+
+
+def _ledger(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ledger.cli.main", *args], cwd=REPO,
+                          env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_verify_trust_enforces_the_witness_quorum(setup: Setup) -> None:
+    """`ledger verify --trust` with quorum 1: the exported checkpoint carries the witness's
+    cosignature and verifies; under a policy whose one witness never cosigned, it fails."""
+    s = setup
+    service = generate_private_key()
+    (s.dir / "service.pem").write_bytes(private_pem(service))
+    env = {"LEDGER_DATABASE_URL": s.db_url, "LEDGER_LOG_NAME": ORIGIN,
+           "LEDGER_SERVICE_KEY_FILE": str(s.dir / "service.pem"),
+           "LEDGER_WITNESSES": f"http://127.0.0.1:{s.witness_port} {s.witness_vkey}"}
+    with run_witness(s.dir, s.witness_key_file, s.witness_vkey, [_log_vkey(s)],
+                     port=s.witness_port):
+        # the producer key, registered before registry leaves existed here, is vouched for
+        r = _ledger(["keys", "attest", key_id(public_raw(s.producer))], env)
+        assert r.returncode == 0, r.stdout + r.stderr
+        _ingest(s, 2)
+        _wait_for(s, lambda st: st[W1]["cosigned_size"] == st["tree_size"],
+                  "the witness to cosign the newest checkpoint")
+        bundle = s.dir / "bundle.jsonl"
+        r = _ledger(["export", "--out", str(bundle)], env)
+        assert r.returncode == 0, r.stdout + r.stderr
+    policies = {}
+    for name, vkey in (("witnessed", s.witness_vkey), ("tarpit", s.tarpit_vkey)):
+        policies[name] = s.dir / f"trust-{name}.toml"
+        policies[name].write_text(format_trust_policy(
+            ORIGIN, [public_raw(s.log_key)], [public_raw(service)], [parse_witness_key(vkey)],
+            quorum=1))
+    ok = _ledger(["verify", str(bundle), "--trust", str(policies["witnessed"])], env)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    refused = _ledger(["verify", str(bundle), "--trust", str(policies["tarpit"])], env)
+    assert refused.returncode != 0, refused.stdout
+    assert "witness" in (refused.stdout + refused.stderr).lower()
+    assert "Traceback" not in refused.stderr
 
 
 def test_audit_catches_a_checkpoint_rewritten_after_it_was_cosigned(setup: Setup) -> None:

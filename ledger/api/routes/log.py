@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
 from ledger.api.auth import require
@@ -83,6 +83,45 @@ class WitnessOut(BaseModel):
                                                "success)")
 
 
+
+class CheckpointOut(BaseModel):
+    tree_size: int = Field(description="Entries in the tree the checkpoint signs")
+    root_hash: str = Field(description="Base64 of the RFC 9162 root hash")
+    checkpoint: str = Field(description="The C2SP signed note, as /log/checkpoint serves "
+                            "it without the cosignatures")
+    origin: str = Field(description="The log's name, the note's first line")
+    verifier_keys: list[str] = Field(description="Log keys registered in this database "
+                                     "(informational: verifiers pin theirs in a trust "
+                                     "policy)")
+
+
+class InclusionProofOut(BaseModel):
+    log_index: int
+    tree_size: int = Field(description="Size of the checkpoint the proof is against")
+    entry: str = Field(description="Base64 of the entry bytes (canonical JSON naming the "
+                       "record: docs/transparency-log.md)")
+    leaf_hash: str = Field(description="Base64 of SHA-256(0x00 || entry)")
+    inclusion_proof: list[str] = Field(description="Base64 hashes, RFC 9162 2.1.3 order")
+    root_hash: str = Field(description="Base64 of the checkpoint's root hash")
+    checkpoint: str = Field(description="The signed note the proof verifies against")
+
+
+class EnvelopeInclusionProofOut(InclusionProofOut):
+    request_id: str
+
+
+class ConsistencyProofOut(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    from_size: int = Field(alias="from", description="The older tree size")
+    to_size: int = Field(alias="to", description="The newer (checkpointed) tree size")
+    proof: list[str] = Field(description="Base64 hashes, RFC 9162 2.1.4 order")
+    old_root_hash: str | None = Field(description="Base64 root at `from` when a checkpoint "
+                                      "of that size exists")
+    new_root_hash: str
+    old_checkpoint: str | None
+    new_checkpoint: str
+
 class WitnessesOut(BaseModel):
     tree_size: int | None = Field(description="The newest checkpoint's size")
     witnesses: list[WitnessOut]
@@ -127,7 +166,7 @@ def tlog_tile(path: Annotated[str, Path(max_length=200)],
     return Response(data, media_type="application/octet-stream", headers=headers)
 
 
-@router.get("/v1/log/checkpoint", tags=["log"],
+@router.get("/v1/log/checkpoint", tags=["log"], response_model=CheckpointOut,
             summary="The latest checkpoint as JSON, with the log's verifier keys")
 def checkpoint_json(session: Session = Depends(get_session)) -> dict[str, Any]:
     from ledger.log.signer import log_verifiers
@@ -144,7 +183,7 @@ def checkpoint_json(session: Session = Depends(get_session)) -> dict[str, Any]:
             "checkpoint": cp.note.decode(), "origin": origin, "verifier_keys": keys}
 
 
-@router.get("/v1/log/consistency", tags=["log"],
+@router.get("/v1/log/consistency", tags=["log"], response_model=ConsistencyProofOut,
             summary="Consistency proof between two tree sizes (RFC 9162 2.1.4)")
 def log_consistency(
     from_size: int = Query(..., alias="from", ge=0, le=2**62),
@@ -155,7 +194,7 @@ def log_consistency(
     return proofs.consistency(session, from_size, to_size)
 
 
-@router.get("/v1/log/proof", tags=["log"],
+@router.get("/v1/log/proof", tags=["log"], response_model=InclusionProofOut,
             summary="Inclusion proof of any log entry (envelope, verdict or dispute event)")
 def entry_proof(
     index: int = Query(..., ge=0, le=2**62),
@@ -168,6 +207,7 @@ def entry_proof(
 
 
 @router.get("/v1/envelopes/{request_id}/proof", tags=["envelopes"],
+            response_model=EnvelopeInclusionProofOut,
             summary="Inclusion proof of an envelope against a signed checkpoint")
 def envelope_proof(
     request_id: Annotated[str, Path(max_length=200, pattern=r"^[A-Za-z0-9._:@+=-]+$")],
