@@ -33,10 +33,16 @@ The report names the first bad index it can pin down.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import itertools
+import multiprocessing
 import operator
+import os
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -284,10 +290,13 @@ def _check_record(report: AuditReport, spec: LeafKind, idx: int, entry: bytes,
                   ctx: _Context) -> bytes:
     """Audit one record (a ``_Stream`` row) against its entry; returns the entry
     recomputed from it."""
+    decoded = row[-1] if type(row[-1]) is _Decoded else None
+    if decoded is not None:
+        row = row[:-1]
     dsse_bytes, ref = bytes(row[1]), row[2]
     where = _Where(idx, spec.kind, ref)
     report.records_checked[spec.kind] = report.records_checked.get(spec.kind, 0) + 1
-    digest = hashlib.sha256(dsse_bytes).hexdigest()
+    digest = decoded.digest if decoded is not None else hashlib.sha256(dsse_bytes).hexdigest()
     recomputed = log_entry_bytes(spec.kind, ref, digest)
     if recomputed != entry:
         report.fail(f"{where}: the stored entry does not match its record (record changed "
@@ -296,7 +305,12 @@ def _check_record(report: AuditReport, spec: LeafKind, idx: int, entry: bytes,
         return recomputed
     signed: dict[str, Any] = {}
     try:
-        if spec.values is not None:
+        if decoded is not None:
+            if decoded.error is not None:
+                raise LedgerError(decoded.error)
+            assert decoded.values is not None
+            values = decoded.values
+        elif spec.values is not None:
             values = spec.values(dsse_bytes, digest)
         else:
             signed = spec.view(dsse_bytes)
@@ -355,11 +369,59 @@ def _record_stream(conn: Any, spec: LeafKind) -> Iterator[tuple[Any, ...]]:
         yield from stream
 
 
+PARALLEL_FROM = 100_000
+"""Logs of at least this many entries decode their envelopes' signed payloads in helper
+processes (the audit's largest cost after the baseline's), overlapping the main loop."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Decoded:
+    """What a helper process computed from one record's DSSE bytes."""
+
+    digest: str
+    values: tuple[Any, ...] | None
+    error: str | None
+
+
+def _decode_envelopes(dsse_list: list[bytes]) -> list[_Decoded]:
+    """In a helper process: each envelope's digest and signed index values."""
+    out = []
+    for dsse_bytes in dsse_list:
+        digest = hashlib.sha256(dsse_bytes).hexdigest()
+        try:
+            out.append(_Decoded(digest, views.envelope_values(dsse_bytes, digest), None))
+        except LedgerError as exc:
+            out.append(_Decoded(digest, None, exc.message))
+    return out
+
+
+def _decoded_in(pool: Executor, rows: Iterator[tuple[Any, ...]], chunk: int = 2000,
+                ahead: int = 3) -> Iterator[tuple[Any, ...]]:
+    """``rows`` in order, each with its :class:`_Decoded` appended, decoded by ``pool``
+    ``ahead`` chunks in advance."""
+    pending: deque[tuple[list[tuple[Any, ...]], Future[list[_Decoded]]]] = deque()
+
+    def submit() -> None:
+        batch = list(itertools.islice(rows, chunk))
+        if batch:
+            pending.append((batch, pool.submit(_decode_envelopes,
+                                               [bytes(r[1]) for r in batch])))
+
+    for _ in range(ahead):
+        submit()
+    while pending:
+        batch, future = pending.popleft()
+        submit()
+        for row, decoded in zip(batch, future.result(), strict=True):
+            yield (*row, decoded)
+
+
 def audit(engine: Engine, origin: str, *, against: Iterable[tuple[str, bytes]] = (),
           witnessed: Iterable[tuple[str, int, bytes]] = (),
           signatures: bool = False, trust: TrustPolicy | None = None,
           kinds: tuple[LeafKind, ...] = LEAF_KINDS,
-          progress: Callable[[int, int], None] | None = None) -> AuditReport:
+          progress: Callable[[int, int], None] | None = None,
+          workers: int | None = None) -> AuditReport:
     """Audit the whole log. With ``trust``, checkpoints (stored and saved) count only when
     signed by one of ``trust.log_keys`` and dispute events only when signed by one of
     ``trust.service_keys`` (or, for the events a worker signs, by a worker key); producer
@@ -369,7 +431,21 @@ def audit(engine: Engine, origin: str, *, against: Iterable[tuple[str, bytes]] =
 
     ``witnessed``: (witness, size, root) that witnesses report having cosigned (``ledger
     audit --witness URL``); like ``against``, the stored log must reach each size with that
-    root, which is what catches a tail deleted together with its checkpoints."""
+    root, which is what catches a tail deleted together with its checkpoints.
+
+    ``workers``: helper processes that decode envelope payloads (default: one fewer than
+    the CPUs, at least one, for logs of :data:`PARALLEL_FROM` entries or more; 0 for none).
+    """
+    with contextlib.ExitStack() as stack:
+        return _audit(engine, origin, against, witnessed, signatures, trust, kinds,
+                      progress, workers, stack)
+
+
+def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
+           witnessed: Iterable[tuple[str, int, bytes]], signatures: bool,
+           trust: TrustPolicy | None, kinds: tuple[LeafKind, ...],
+           progress: Callable[[int, int], None] | None, workers: int | None,
+           stack: contextlib.ExitStack) -> AuditReport:
     report = AuditReport(trusted=trust is not None)
     if trust is not None:
         origin = trust.origin
@@ -467,8 +543,17 @@ def audit(engine: Engine, origin: str, *, against: Iterable[tuple[str, bytes]] =
                 roots[size] = res.root
 
         streams = []
+        if workers is None:
+            workers = max(1, (os.cpu_count() or 2) - 1) if sequenced >= PARALLEL_FROM else 0
+        pool = None
+        if workers > 0 and any(spec.values is not None for spec in present):
+            pool = stack.enter_context(ProcessPoolExecutor(
+                workers, mp_context=multiprocessing.get_context("spawn")))
         for spec in present:
-            streams.append(_Stream(spec, _record_stream(conn, spec)))
+            rows = _record_stream(conn, spec)
+            if pool is not None and spec.values is not None:
+                rows = _decoded_in(pool, rows)
+            streams.append(_Stream(spec, rows))
 
         def orphans_before(limit: int | None) -> None:
             for s in streams:

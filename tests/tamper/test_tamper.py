@@ -488,3 +488,27 @@ def test_cli_trust_option_and_setting(built: Built, copy_url: str) -> None:
     assert f"first bad index {index}" in pinned.stdout, pinned.stdout
     from_setting = _cli(env={**env, "LEDGER_TRUST_POLICY_FILE": str(built.trust_file)})
     assert from_setting.returncode == 1 and f"first bad index {index}" in from_setting.stdout
+
+
+def test_payloads_decoded_in_helper_processes_give_the_same_report(built: Built,
+                                                                    copy_url: str) -> None:
+    """Large logs decode envelope payloads in helper processes (audit's ``workers``): the
+    same findings, in the same order, as decoding them in line."""
+    engine = make_engine(url=copy_url, pool_size=1)
+    try:
+        clean = audit(engine, ORIGIN, signatures=True, trust=built.trust, workers=1)
+        assert clean.ok, clean.problems
+        assert clean.records_checked["envelope"] == len(built.env_index)
+        k = built.env_index[ENVELOPE]
+        superuser(copy_url, ("UPDATE envelopes SET model_name = 'other-model' "
+                             "WHERE log_index = %s", (k,)),
+                  ("UPDATE envelopes SET dsse = dsse || 'x'::bytea WHERE log_index = %s",
+                   (built.env_index[OTHER_ENVELOPE],)))
+        inline = audit(engine, ORIGIN, workers=0)
+        helpers = audit(engine, ORIGIN, workers=1)
+    finally:
+        engine.dispose()
+    assert not helpers.ok and helpers.problems == inline.problems
+    assert helpers.first_bad_index == inline.first_bad_index == min(
+        k, built.env_index[OTHER_ENVELOPE])
+    assert any("column model_name" in p for p in helpers.problems), helpers.problems
