@@ -40,7 +40,6 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,28 +48,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.engine import log, table  # noqa: E402 - one table format for both
 from workers.engine.api import GenerationRequest, SamplingParams  # noqa: E402
 
 ENGINES = ("vllm-default", "vllm-flag", "vllm-flag-pin", "reference-bi", "reference-default")
 MODES = ("greedy", "top_p", "top_k", "top_k+top_p")
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    def fmt(v: object) -> str:
-        if isinstance(v, float):
-            return f"{v:,.1f}" if abs(v) >= 100 else f"{v:.3g}"
-        return f"{v:,}" if isinstance(v, int) else str(v)
-
-    cells = [[str(h) for h in headers]] + [[fmt(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |"
-             for r in cells]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ weights

@@ -38,8 +38,8 @@ from ledger.core.note import (
     MAX_SIGNATURES,
     SIGNATURE_PREFIX,
     _b64decode_canonical,
-    _is_valid_key_name,
     parse_checkpoint,
+    signature_line_parts,
 )
 from ledger.core.trust import (
     SIGNATURE_TYPE_COSIGNATURE,
@@ -127,16 +127,10 @@ def parse_cosignature_line(line: str) -> Cosignature:
 
     Raises :class:`CosignatureError` when it is not one (wrong shape or length: a plain
     Ed25519 note signature is 68 bytes, a cosignature 76)."""
-    line = line.removesuffix("\n")
-    if not line.startswith(SIGNATURE_PREFIX):
-        raise CosignatureError("a signature line starts with an em dash and a space")
-    name, _, b64 = line[len(SIGNATURE_PREFIX):].partition(" ")
-    if not _is_valid_key_name(name) or not b64:
-        raise CosignatureError("malformed cosignature line")
     try:
-        raw = _b64decode_canonical(b64)
-    except (binascii.Error, ValueError) as exc:
-        raise CosignatureError("a cosignature is not canonical base64") from exc
+        name, raw = signature_line_parts(line.removesuffix("\n"), "cosignature")
+    except ValueError as exc:
+        raise CosignatureError(str(exc)) from exc
     if len(raw) != COSIGNATURE_SIZE:
         raise CosignatureError(f"a cosignature/v1 signature is {COSIGNATURE_SIZE} bytes, "
                                f"not {len(raw)}")

@@ -219,6 +219,21 @@ class NoteSignature:
         return f"{SIGNATURE_PREFIX}{self.name} {sig}\n"
 
 
+def signature_line_parts(line: str, what: str = "signature") -> tuple[str, bytes]:
+    """(key name, decoded bytes) of one signature line ``— <name> <base64>``, without its
+    newline; the shape checks that note signatures and cosignatures share. Raises
+    ``ValueError`` saying what is wrong (callers raise their own error with it)."""
+    if not line.startswith(SIGNATURE_PREFIX):
+        raise ValueError("a signature line starts with an em dash and a space")
+    name, _, b64 = line[len(SIGNATURE_PREFIX) :].partition(" ")
+    if not _is_valid_key_name(name) or not b64:
+        raise ValueError(f"malformed {what} line")
+    try:
+        return name, _b64decode_canonical(b64)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"a {what} is not canonical base64") from exc
+
+
 @dataclass(frozen=True, slots=True)
 class OpenedNote:
     """A note whose signatures by known keys all verified (at least one)."""
@@ -288,15 +303,10 @@ def open_note(note: bytes, verifiers: Iterable[NoteVerifier]) -> OpenedNote:
     verified: dict[tuple[str, int], NoteSignature] = {}
     unverified: dict[str, NoteSignature] = {}
     for line in lines:
-        if not line.startswith(SIGNATURE_PREFIX):
-            raise MalformedNoteError("a signature line starts with an em dash and a space")
-        name, _, b64 = line[len(SIGNATURE_PREFIX) :].partition(" ")
-        if not _is_valid_key_name(name) or not b64:
-            raise MalformedNoteError("malformed signature line")
         try:
-            raw = _b64decode_canonical(b64)
-        except (binascii.Error, ValueError) as exc:
-            raise MalformedNoteError("a signature is not canonical base64") from exc
+            name, raw = signature_line_parts(line)
+        except ValueError as exc:
+            raise MalformedNoteError(str(exc)) from exc
         if len(raw) < 5:
             raise MalformedNoteError("a signature is a 4-byte key ID and at least one byte")
         sig = NoteSignature(name, int.from_bytes(raw[:4], "big"), raw[4:])
