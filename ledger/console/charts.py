@@ -49,12 +49,14 @@ def topk_bars(entries: list[tuple[str, float, bool]], *, width: int = 300,
     return chart
 
 
-def step_diffs(diffs: list[float | None], *, highlight: int | None = None,
+def step_diffs(diffs: list[float | None], *, highlight: int | None = None, what: str = "",
                width: int = 640, height: int = 140) -> Chart:
     """A bar per step of |replayed - recorded| logprob; ``highlight`` marks step k."""
-    chart = Chart(width, height, title="per-step |logprob difference|")
-    n = max(1, len(diffs))
     known = [abs(d) for d in diffs if d is not None]
+    title = "per-step |logprob difference|" + what + (
+        ": all 0, identical bit for bit" if known and max(known) == 0 else "")
+    chart = Chart(width, height, title=title)
+    n = max(1, len(diffs))
     top = max(known) if known and max(known) > 0 else 1.0
     left, bottom, plot_h = 50, height - 20, height - 34
     step_w = (width - left - 10) / n

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, and_, exists, func, or_, select
+from sqlalchemy import and_, exists, func, or_, select
 from sqlalchemy.orm import Session
 
 from ledger.db.models import (
@@ -92,7 +92,7 @@ def search(session: Session, query: SearchQuery, *, cursor: str | None = None,
     request-ID order, on the ``text_pattern_ops`` index; the rest are newest first by log
     index, on the (column, log_index) indexes, so a page costs one short index range."""
     e = Envelope
-    stmt: Select[Any] = select(e.request_id, e.log_index, e.recorded_at, e.channel, e.tier,
+    stmt = select(e.request_id, e.log_index, e.recorded_at, e.channel, e.tier,
                                e.model_name, e.fingerprint_id, e.prompt_tokens,
                                e.output_tokens)
     if query.request_id:
@@ -176,6 +176,7 @@ class RequestView:
     statement: dict[str, Any]
     keyids: list[str]
     integrity: dict[str, Any]
+    fingerprint_id: str
     checks: list[Check] = field(default_factory=list)
     proof: dict[str, Any] | None = None
     disputes: list[dict[str, Any]] = field(default_factory=list)
@@ -205,12 +206,12 @@ def request_view(session: Session, settings: Settings, request_id: str) -> Reque
     try:
         signed = views.open_signed(dsse_bytes)
         statement = signed.statement
-        integrity = views.integrity(columns, views.envelope_index(dsse_bytes),
-                                    views.ENVELOPE_INDEX_FIELDS)
+        index = views.envelope_index(dsse_bytes)
+        integrity = views.integrity(columns, index, views.ENVELOPE_INDEX_FIELDS)
     except views.SignedRecordError as exc:
         raise NotFound(f"the stored bytes of {request_id!r} do not parse: {exc}") from None
     view = RequestView(request_id, row.log_index, row.ingested_at, digest, statement,
-                       list(signed.keyids), integrity)
+                       list(signed.keyids), integrity, index["fingerprint_id"])
     view.checks, view.proof = verify_record(session, settings, "envelope", request_id,
                                             dsse_bytes, row.log_index, purpose="producer")
     view.disputes = [{"id": str(d.id), "state": d.state, "reason": d.reason,
@@ -430,7 +431,8 @@ def runs_with_drift(session: Session, kind: str | None = None,
                 .join(ReplayJob, ReplayJob.id == Verdict.job_id)
                 .where(ReplayJob.run_id.in_(list(counts)))
                 .group_by(ReplayJob.run_id, Verdict.outcome)):
-            counts[run_id][outcome] = n
+            if run_id is not None:
+                counts[run_id][outcome] = n
     out = []
     for r in runs:
         c = counts[r.id]

@@ -36,6 +36,16 @@ HERE = Path(__file__).parent
 templates = Jinja2Templates(directory=str(HERE / "templates"))
 templates.env.globals["quote"] = lambda s: quote(str(s), safe="")
 
+
+def _show(value: Any) -> str:
+    """A signed JSON value as JSON writes it (null, true, {...}), not as Python does."""
+    import json
+
+    return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+
+
+templates.env.filters["show"] = _show
+
 #: Served with every console page: nothing but our own origin may run or frame anything,
 #: so even markup that slipped past escaping could not execute.
 SECURITY_HEADERS = {
@@ -362,8 +372,7 @@ def verdict_page(request: Request,
         for side in (expected, replayed):
             for step in side.get("top_logprobs") or []:
                 vocab_ids |= {int(e["token_id"] if isinstance(e, dict) else e[0]) for e in step}
-        texts = {t: tok.decode([t], skip_special_tokens=False)
-                 for t in vocab_ids if t is not None}
+        texts = {t: tokenizers.token_text(tok, t) for t in vocab_ids if t is not None}
     topk = []
     if k is not None:
         for at in (k - 1, k):
@@ -379,7 +388,8 @@ def verdict_page(request: Request,
                 row.append(charts.topk_bars(entries, title=f"{name} at step {at}"))
             topk.append((at, row))
     diffs = [s.logprob_diff for s in steps[: (k if k is not None else len(steps))]]
-    diff_chart = charts.step_diffs(diffs, highlight=None) if any(
+    diff_chart = charts.step_diffs(
+        diffs, what=" before k" if k is not None else "") if any(
         d is not None for d in diffs) else None
     return page(request, "verdict.html", user, v=v, details=details, steps=steps, k=k,
                 texts=texts, tokenizer_reason=reason, has_replay=has_replay, topk=topk,

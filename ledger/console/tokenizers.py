@@ -71,8 +71,9 @@ def register(session: Session, content: bytes, *, name: str,
         tokenizer_sha256=digest, content=content, name=name[:200] or digest[:12],
         vocab_size=tok.get_vocab_size(with_added_tokens=True),
         registered_by=f"{principal.name} ({principal.role})",
-    ).on_conflict_do_nothing(index_elements=["tokenizer_sha256"]))
-    created = bool(result.rowcount)
+    ).on_conflict_do_nothing(index_elements=["tokenizer_sha256"])
+        .returning(Tokenizer.tokenizer_sha256))
+    created = result.first() is not None
     if created:
         audit.record(session, principal, "tokenizer.register", digest, name=name[:200])
     row = session.get(Tokenizer, digest)
@@ -136,30 +137,39 @@ def tokenizer_for(session: Session, digest: str | None) -> tuple[Any, str | None
 def decode(tok: Any, token_ids: list[int]) -> list[Piece]:
     """Each token with the text it adds, so the pieces join to the whole text (a token
     that ends inside a multi-byte character adds nothing until the character is whole)."""
+    from tokenizers.decoders import DecodeStream
+
     vocab = tok.get_vocab_size(with_added_tokens=True)
-    try:
-        from tokenizers.decoders import DecodeStream
-    except ImportError:  # older tokenizers: prefix differences (quadratic, still exact)
-        DecodeStream = None
-    if DecodeStream is not None:
-        stream = DecodeStream(skip_special_tokens=False)
-        out = []
-        for t in token_ids:
-            if not 0 <= t < vocab:
-                out.append(Piece(t, "\N{REPLACEMENT CHARACTER}"))
-                continue
-            try:
-                text = stream.step(tok, t)
-            except Exception:  # noqa: BLE001 - a token the decoder cannot place
-                text = "\N{REPLACEMENT CHARACTER}"
-            out.append(Piece(t, text or ""))
-        return out
-    prev, out = "", []
-    for i, t in enumerate(token_ids):
-        now = tok.decode(token_ids[: i + 1], skip_special_tokens=False)
-        out.append(Piece(t, now[len(prev):] if now.startswith(prev) else now))
-        prev = now
+    stream = DecodeStream(skip_special_tokens=False)
+    out = []
+    for t in token_ids:
+        if not 0 <= t < vocab:
+            out.append(Piece(t, "\N{REPLACEMENT CHARACTER}"))
+            continue
+        try:
+            text = stream.step(tok, t)
+        except Exception:  # noqa: BLE001 - a token the decoder cannot place
+            text = "\N{REPLACEMENT CHARACTER}"
+        out.append(Piece(t, text or ""))
     return out
+
+
+def token_text(tok: Any, token_id: int) -> str:
+    """One token on its own: its text, or its vocabulary entry when it is part of a
+    character (a lone UTF-8 byte decodes to U+FFFD, which would hide which byte it is)."""
+    text = tok.decode([token_id], skip_special_tokens=False)
+    if "\N{REPLACEMENT CHARACTER}" in text or not text:
+        raw = tok.id_to_token(token_id)
+        if raw:
+            inverse = _unicode_to_bytes()
+            if all(c in inverse for c in raw):  # byte-level BPE: the bytes it stands for
+                return "<" + " ".join(f"0x{inverse[c]:02X}" for c in raw) + ">"
+            return str(raw)
+    return str(text)
+
+
+def _unicode_to_bytes() -> dict[str, int]:
+    return {ch: b for b, ch in _bytes_to_unicode().items()}
 
 
 def decoded(session: Session, digest: str | None, token_ids: list[int]) -> Decoded:
@@ -192,7 +202,7 @@ def tiny_demo_tokenizer_json() -> bytes:
     specials = ["<bos>", "<eos>", "<pad>", "<unk>"]
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
     vocab.update({s: 256 + i for i, s in enumerate(specials)})
-    doc = {
+    doc: dict[str, Any] = {
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [{"id": 256 + i, "content": s, "single_word": False, "lstrip": False,
                           "rstrip": False, "normalized": False, "special": True}

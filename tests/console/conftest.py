@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,7 +21,8 @@ from ledger.core.keys import generate_private_key, private_pem, public_raw
 from tests.helpers import TEST_PEPPER, free_port
 
 LOG_NAME = "console-test.inference-ledger.local/log"
-XSS_PROMPT = 'Is <b>this</b> bold? <script>window.__pwned = 1</script><img src=x onerror="window.__pwned=2">'
+XSS_PROMPT = ('Is <b>this</b> bold? <script>window.__pwned = 1</script>'
+              '<img src=x onerror="window.__pwned=2">')
 
 
 @dataclass
@@ -52,7 +52,12 @@ def console_stack(module_db_url: str, tmp_path_factory: pytest.TempPathFactory,
     from ledger.db.session import make_engine, session_scope
     from ledger.demo import record_requests
     from ledger.log.signer import LogSigner
-    from ledger.producer import build_statement, envelope_to_json, output_from_result, sign_statement
+    from ledger.producer import (
+        build_statement,
+        envelope_to_json,
+        output_from_result,
+        sign_statement,
+    )
     from ledger.replay.broker import InProcessPublisher
     from ledger.replay.records import Signer
     from ledger.services.apikeys import create_api_key

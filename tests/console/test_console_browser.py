@@ -166,7 +166,7 @@ def test_reviewer_searches_reads_disputes_and_resolves(browser: Any,
 
     # follow each to its verdict (the worker replays it on the tiny-demo engine)
     stack.publisher.wait_idle(120)
-    for rid, url in disputes.items():
+    for url in disputes.values():
         def has_verdict(url: str = url) -> bool:
             browser.get(url)
             return bool(browser.find_elements(By.ID, "see-diff"))

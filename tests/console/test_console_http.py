@@ -43,8 +43,8 @@ def test_cookie_flags_and_session_row(console_stack: ConsoleStack) -> None:
     c = httpx.Client(base_url=console_stack.url, timeout=30)
     r = c.post("/console/sign-in", data={"api_key": console_stack.keys["reviewer"],
                                          "csrf_token": _login_token(c)})
-    cookie = [v for k, v in r.headers.multi_items() if k == "set-cookie"
-              and v.startswith("ledger_console=")][0]
+    cookie = next(v for k, v in r.headers.multi_items() if k == "set-cookie"
+                  and v.startswith("ledger_console="))
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie.replace("Strict", "strict")
     assert "Path=/console" in cookie and "Secure" not in cookie  # plain HTTP here
     token = cookie.split(";")[0].split("=", 1)[1]
@@ -72,7 +72,7 @@ def test_unsigned_visitor_is_sent_to_sign_in(console_stack: ConsoleStack) -> Non
 
 
 def test_post_without_csrf_token_fails_and_writes_nothing(console_stack: ConsoleStack) -> None:
-    c, csrf = signed_in(console_stack, "reviewer")
+    c, _ = signed_in(console_stack, "reviewer")
     with session_scope(console_stack.db) as s:
         before = len(s.scalars(select(DisputeEvent.event_id)).all())
     for data in ({"reason": "no token"}, {"reason": "wrong token", "csrf_token": "x" * 43}):
@@ -91,7 +91,8 @@ def test_html_in_a_prompt_is_escaped_and_no_inline_script_may_run(
     assert r.status_code == 200
     # no element came from the prompt: the page itself has no <script>, <img> or <b>
     assert "<script" not in r.text and "<img" not in r.text and "<b>this" not in r.text
-    assert shown_text(r.text, "prompt") == "<bos>" + XSS_PROMPT  # ... yet every character is shown, as text
+    # ... yet every character is shown, as text
+    assert shown_text(r.text, "prompt") == "<bos>" + XSS_PROMPT
     assert "script-src 'self'" in r.headers["content-security-policy"]
 
 
