@@ -89,21 +89,22 @@ def search(session: Session, query: SearchQuery, *, cursor: str | None = None,
     """Matching envelopes and the next page's cursor.
 
     Searches by request ID (or the client's ``X-Request-Id``) are prefix searches in
-    request-ID order, on the ``text_pattern_ops`` index; the rest are newest first by log
+    request-ID (byte) order, on the ``COLLATE "C"`` index; the rest are newest first by log
     index, on the (column, log_index) indexes, so a page costs one short index range."""
     e = Envelope
+    rid_c = e.request_id.collate("C")  # byte order: the prefix index (migration 0011)
     stmt = select(e.request_id, e.log_index, e.recorded_at, e.channel, e.tier,
                                e.model_name, e.fingerprint_id, e.prompt_tokens,
                                e.output_tokens)
     if query.request_id:
-        stmt = stmt.where(e.request_id.like(_like_prefix(query.request_id), escape="\\"))
+        stmt = stmt.where(rid_c.like(_like_prefix(query.request_id), escape="\\"))
     if query.client_request_id:
         # the capture proxy's IDs: "cmpl-<X-Request-Id>" / "chatcmpl-<X-Request-Id>", with
         # "-<index>" for several prompts in one request (docs/capture.md)
         x = query.client_request_id
         stmt = stmt.where(or_(*[cond for p in ("cmpl-", "chatcmpl-") for cond in (
-            e.request_id == p + x, e.request_id.like(_like_prefix(f"{p}{x}-"), escape="\\"))],
-            e.request_id == x))
+            rid_c == p + x, rid_c.like(_like_prefix(f"{p}{x}-"), escape="\\"))],
+            rid_c == x))
     if query.model_name:
         stmt = stmt.where(func.lower(e.model_name) == query.model_name.lower())
     if query.channel:
@@ -123,8 +124,8 @@ def search(session: Session, query: SearchQuery, *, cursor: str | None = None,
                                               Dispute.state == query.dispute)))
     if query.by_request_id:
         if cursor:
-            stmt = stmt.where(e.request_id > str(_after(query, cursor)))
-        stmt = stmt.order_by(e.request_id)
+            stmt = stmt.where(rid_c > str(_after(query, cursor)))
+        stmt = stmt.order_by(rid_c)
     else:
         if cursor:
             last = _after(query, cursor)

@@ -112,9 +112,10 @@ router = APIRouter(prefix="/console", route_class=ConsoleRoute, include_in_schem
 def signed_in(permission: str) -> Callable[..., sessions.ConsoleUser]:
     roles = PERMISSIONS[permission]
 
-    def dependency(request: Request,
-                   session: Session = Depends(get_session)) -> sessions.ConsoleUser:
-        user = sessions.current_user(session, request.cookies.get(sessions.COOKIE))
+    def dependency(request: Request, session: Session = Depends(get_session),
+                   settings: Settings = Depends(get_settings_dep)) -> sessions.ConsoleUser:
+        user = sessions.current_user(session, request.cookies.get(sessions.COOKIE),
+                                     settings.api_key_pepper.get_secret_value())
         request.state.console_user = user
         if user.role not in roles:
             raise Forbidden(f"role {user.role!r} may not {permission}; allowed: "
@@ -205,8 +206,10 @@ def sign_in(request: Request,
 
 @router.post("/sign-out")
 def sign_out(request: Request, _: sessions.ConsoleUser = Depends(posted("envelopes:read")),
-             session: Session = Depends(get_session)) -> Response:
-    sessions.sign_out(session, request.cookies.get(sessions.COOKIE))
+             session: Session = Depends(get_session),
+             settings: Settings = Depends(get_settings_dep)) -> Response:
+    sessions.sign_out(session, request.cookies.get(sessions.COOKIE),
+                      settings.api_key_pepper.get_secret_value())
     session.commit()
     resp = back("/console/sign-in")
     resp.delete_cookie(sessions.COOKIE, path="/console")

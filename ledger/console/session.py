@@ -1,7 +1,9 @@
 """Console sign-in: an API key exchanged for a session cookie, and CSRF tokens.
 
-- The cookie is 32 random bytes; the database keeps only their SHA-256
-  (``console_sessions``), so a read of the table signs nobody in. It is ``HttpOnly``,
+- The cookie is 32 random bytes; the database keeps only their HMAC under the API-key
+  pepper (``console_sessions``, as ``api_keys`` keeps keys), so a read of the table signs
+  nobody in, and an insider who can write the table but lacks the pepper cannot make a
+  session for someone else's key. It is ``HttpOnly``,
   ``SameSite=Strict``, ``Secure`` when the request came over TLS, scoped to ``/console``.
 - Every request re-checks the API key behind the session: a revoked key, or a key whose
   role lost the permission, loses the console at once.
@@ -15,18 +17,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import secrets
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from ledger.db.models import ApiKey, ConsoleSession
 from ledger.errors import Forbidden
-from ledger.services.apikeys import Principal, authenticate
+from ledger.services.apikeys import Principal, authenticate, hash_key
 
 COOKIE = "ledger_console"
 LOGIN_COOKIE = "ledger_console_login"
@@ -49,8 +50,8 @@ class NotSignedIn(Exception):
     """No valid session: the page redirects to the sign-in form."""
 
 
-def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
+def _digest(token: str, pepper: str) -> bytes:
+    return hash_key(token, pepper)
 
 
 def sign_in(session: Session, api_key: str, pepper: str) -> tuple[str, ConsoleUser]:
@@ -63,37 +64,32 @@ def sign_in(session: Session, api_key: str, pepper: str) -> tuple[str, ConsoleUs
     token = secrets.token_urlsafe(32)
     csrf = secrets.token_urlsafe(32)
     now = datetime.now(UTC)
-    session.add(ConsoleSession(token_sha256=_digest(token), api_key_id=principal.key_id,
-                               csrf_token=csrf, created_at=now, last_seen_at=now,
+    session.add(ConsoleSession(token_sha256=_digest(token, pepper), api_key_id=principal.key_id,
+                               csrf_token=csrf, created_at=now,
                                expires_at=now + timedelta(hours=SESSION_HOURS)))
     session.execute(delete(ConsoleSession).where(ConsoleSession.expires_at < now))
     session.flush()
     return token, ConsoleUser(principal, csrf)
 
 
-def current_user(session: Session, token: str | None) -> ConsoleUser:
+def current_user(session: Session, token: str | None, pepper: str) -> ConsoleUser:
     if not token or len(token) > 100:
         raise NotSignedIn
     row = session.execute(
         select(ConsoleSession.csrf_token, ConsoleSession.expires_at, ApiKey.id, ApiKey.name,
                ApiKey.role, ApiKey.revoked_at)
         .join(ApiKey, ApiKey.id == ConsoleSession.api_key_id)
-        .where(ConsoleSession.token_sha256 == _digest(token))).first()
+        .where(ConsoleSession.token_sha256 == _digest(token, pepper))).first()
     if (row is None or row.revoked_at is not None or row.expires_at <= datetime.now(UTC)
             or row.role not in CONSOLE_ROLES):
         raise NotSignedIn
     return ConsoleUser(Principal(str(row.id), row.name, row.role), row.csrf_token)
 
 
-def touch(session: Session, token: str) -> None:
-    session.execute(update(ConsoleSession).where(ConsoleSession.token_sha256 == _digest(token))
-                    .values(last_seen_at=datetime.now(UTC)))
-
-
-def sign_out(session: Session, token: str | None) -> None:
+def sign_out(session: Session, token: str | None, pepper: str) -> None:
     if token:
         session.execute(delete(ConsoleSession).where(
-            ConsoleSession.token_sha256 == _digest(token)))
+            ConsoleSession.token_sha256 == _digest(token, pepper)))
 
 
 def csrf_ok(expected: str | None, given: str | None) -> bool:

@@ -85,7 +85,7 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "reverification_policies": ("SELECT", "INSERT"),
         "reverification_runs": ("SELECT",),
         "tokenizers": ("SELECT", "INSERT"),                          # 0011: the console
-        "console_sessions": ("SELECT", "INSERT", "UPDATE (last_seen_at)", "DELETE"),
+        "console_sessions": ("SELECT", "INSERT", "DELETE"),
     },
     BEAT: {
         "alembic_version": ("SELECT",),

@@ -100,8 +100,8 @@ class Envelope(Base):
         Index("ix_envelopes_channel_log_index", "channel", "log_index"),
         Index("ix_envelopes_recorded_at", "recorded_at"),
         # the console's search (0011): request ID prefixes, model names case-insensitively
-        Index("ix_envelopes_request_id_prefix", "request_id",
-              postgresql_ops={"request_id": "text_pattern_ops"}),
+        # on request_id COLLATE "C" (0011); reflection shows the column, so it is named so
+        Index("ix_envelopes_request_id_prefix", "request_id"),
         Index("ix_envelopes_model_name_lower", func.lower(text("model_name")), "log_index"),
     )
 
@@ -470,7 +470,8 @@ class Tokenizer(Base):
 
 
 class ConsoleSession(Base):
-    """A console sign-in: an API key exchanged for a cookie (only its SHA-256 is kept)."""
+    """A console sign-in: an API key exchanged for a cookie (only its HMAC under the API-key
+    pepper is kept, as for API keys)."""
 
     __tablename__ = "console_sessions"
     token_sha256: Mapped[bytes] = mapped_column(LargeBinary, primary_key=True)
@@ -478,5 +479,4 @@ class ConsoleSession(Base):
                                                   nullable=False, index=True)
     csrf_token: Mapped[str] = mapped_column(Text, nullable=False)
     created_at: Mapped[datetime] = _now()
-    last_seen_at: Mapped[datetime] = _now()
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)

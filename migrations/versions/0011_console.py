@@ -4,10 +4,11 @@
   bytes (the envelope's ``artifacts.tokenizer_sha256``); the console decodes token IDs
   with it and re-hashes the bytes before every use, so an edited row decodes nothing.
 - ``console_sessions``: an API key exchanged for a session cookie; the row keeps only the
-  SHA-256 of the cookie, the key it stands for and the session's CSRF token. Revoking the
+  HMAC of the cookie under the API-key pepper, the key it stands for and the session's CSRF token. Revoking the
   key ends its sessions (every request re-checks the key).
-- ``envelopes`` indexes for the console's search: request ID prefixes (``text_pattern_ops``
-  so ``LIKE 'abc%'`` uses it under any collation) and model names case-insensitively.
+- ``envelopes`` indexes for the console's search: request ID prefixes (on
+  ``request_id COLLATE "C"``, so ``LIKE 'abc%'`` and the ID order of a page both use it,
+  whatever the database's collation) and model names case-insensitively.
 
 Revision ID: 0011_console
 Revises: 0008_component_roles
@@ -52,13 +53,11 @@ def upgrade() -> None:
         sa.Column("csrf_token", sa.Text(), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False,
                   server_default=sa.func.now()),
-        sa.Column("last_seen_at", sa.DateTime(timezone=True), nullable=False,
-                  server_default=sa.func.now()),
         sa.Column("expires_at", sa.DateTime(timezone=True), nullable=False),
     )
     op.create_index("ix_console_sessions_api_key_id", "console_sessions", ["api_key_id"])
-    op.create_index("ix_envelopes_request_id_prefix", "envelopes", ["request_id"],
-                    postgresql_ops={"request_id": "text_pattern_ops"})
+    op.create_index("ix_envelopes_request_id_prefix", "envelopes",
+                    [sa.text('request_id COLLATE "C"')])
     op.create_index("ix_envelopes_model_name_lower", "envelopes",
                     [sa.text("lower(model_name)"), "log_index"])
     # the component roles of 0008, as ledger.db.grants lists them for these tables

@@ -50,10 +50,11 @@ def test_cookie_flags_and_session_row(console_stack: ConsoleStack) -> None:
     token = cookie.split(";")[0].split("=", 1)[1]
     with session_scope(console_stack.db) as s:
         stored = [bytes(t) for t in s.scalars(select(ConsoleSession.token_sha256))]
-    import hashlib
+    from ledger.services.apikeys import hash_key
+    from tests.helpers import TEST_PEPPER
 
-    assert hashlib.sha256(token.encode()).digest() in stored
-    assert token.encode() not in b"".join(stored)  # only its hash is kept
+    assert hash_key(token, TEST_PEPPER) in stored  # only its HMAC under the pepper is kept
+    assert token.encode() not in b"".join(stored)
 
 
 def test_ingester_and_worker_keys_get_no_console(console_stack: ConsoleStack) -> None:
