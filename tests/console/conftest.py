@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -86,8 +87,10 @@ def console_stack(module_db_url: str, tmp_path_factory: pytest.TempPathFactory,
     with session_scope(db) as s:
         service.ensure_registered(s)
         LogSigner(LOG_NAME, keys["log"]).ensure_registered(s, service)
+        # valid from yesterday: the re-verification test records the last hour
         register_key(s, public_key=public_raw(keys["gateway"]), purpose="producer",
-                     name="gateway", signer=service, actor="test")
+                     name="gateway", signer=service, actor="test",
+                     not_before=datetime.now(UTC) - timedelta(days=1))
         register_key(s, public_key=public_raw(keys["worker"]), purpose="worker",
                      name="worker", signer=service, actor="test")
         for role in ("ingester", "reviewer", "auditor", "worker", "admin"):
@@ -143,7 +146,8 @@ def console_stack(module_db_url: str, tmp_path_factory: pytest.TempPathFactory,
         yield ConsoleStack(url, api_keys, honest["statement"]["predicate"]["request_id"],
                            "demo-console-altered", "demo-console-html", k, db, settings,
                            publisher, {"original_k": recorded[5]["statement"]["predicate"][
-                               "output"]["token_ids"][k]})
+                               "output"]["token_ids"][k], "gateway": keys["gateway"],
+                               "statements": [r["statement"] for r in recorded]})
     finally:
         server.should_exit = True
         thread.join(10)

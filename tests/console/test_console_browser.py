@@ -242,32 +242,49 @@ def test_a_form_post_without_the_csrf_token_fails(browser: Any,
 
 
 def test_reverification_drift_plot(browser: Any, console_stack: ConsoleStack) -> None:
+    """A policy's windows over the last hour, each with a different share of records a
+    gateway altered: the page plots each run's drift rate against its window."""
+    import copy
+    from datetime import UTC, datetime
+
     from selenium.webdriver.common.by import By
 
+    from ledger.core.envelope import output_digest
+    from ledger.producer import envelope_to_json, sign_statement
     from ledger.replay import beat
 
     stack = console_stack
-    from sqlalchemy import func, select
-
-    from ledger.db.models import Envelope
-    from ledger.db.session import session_scope
-
-    with session_scope(stack.db) as s:  # windows of 2 s from the first record on
-        start = s.scalar(select(func.min(Envelope.recorded_at))) - timedelta(seconds=1)
-    for name, channel in (("hourly sample", None), ("deterministic channel", "deterministic")):
-        r = httpx.post(f"{stack.url}/v1/reverification-policies", headers={
-            "Authorization": f"Bearer {stack.keys['admin']}"}, json={
-            "name": name, "interval_seconds": 2, "sample_rate": 1.0, "channel": channel,
-            "first_window_start": start.isoformat(), "max_age_seconds": 600})
+    base = datetime.now(UTC).replace(second=0, microsecond=0) - timedelta(minutes=65)
+    altered = {5, 9, 10, 13, 17, 18, 19, 22}  # per 10-minute window of 4: 0 1 2 1 3 1 0
+    envelopes = []
+    for j in range(28):
+        st = copy.deepcopy(stack.extra["statements"][j % len(stack.extra["statements"])])
+        rid = f"demo-console-past-{j:02d}"
+        st["predicate"]["request_id"] = rid
+        st["predicate"]["recorded_at"] = (base + timedelta(seconds=150 * j + 30)).isoformat()
+        tokens = st["predicate"]["output"]["token_ids"]
+        if j in altered:
+            tokens[2] = (tokens[2] + 1) % 256
+        st["subject"] = [{"name": rid, "digest": {"sha256": output_digest(tokens)}}]
+        envelopes.append(envelope_to_json(sign_statement(st, stack.extra["gateway"])))
+    with httpx.Client(base_url=stack.url, timeout=60) as c:
+        r = c.post("/v1/envelopes/batch", params={"wait": True, "timeout": 30},
+                   json={"envelopes": envelopes},
+                   headers={"Authorization": f"Bearer {stack.keys['ingester']}"})
+        assert r.status_code == 200 and r.json()["created"] == 28, r.text
+        r = c.post("/v1/reverification-policies", json={
+            "name": "ten-minute sample", "interval_seconds": 600, "sample_rate": 1.0,
+            "first_window_start": base.isoformat(), "max_age_seconds": 7200},
+            headers={"Authorization": f"Bearer {stack.keys['admin']}"})
         assert r.status_code == 201, r.text
-    time.sleep(2)  # the window holding the last record closes
-    for _ in range(3):
-        beat.tick(stack.db, stack.publisher, stack.settings, None)
-        stack.publisher.wait_idle(120)
+    beat.tick(stack.db, stack.publisher, stack.settings, None)
+    stack.publisher.wait_idle(120)
     sign_in(browser, stack, "reviewer")
     browser.get(stack.url + "/console/reverification")
-    assert browser.find_elements(By.CSS_SELECTOR, "#runs tbody tr, #runs tr")
-    assert browser.find_elements(By.CSS_SELECTOR, "svg circle.dot")
+    rates = [row.find_elements(By.TAG_NAME, "td")[7].text
+             for row in browser.find_elements(By.CSS_SELECTOR, "#runs tr")[1:]]
+    assert {"0.0%", "25.0%", "50.0%", "75.0%"} <= set(rates), rates
+    assert len(browser.find_elements(By.CSS_SELECTOR, "svg circle.dot")) >= 6
     shot(browser, "reverification")
 
 
