@@ -175,3 +175,49 @@ def test_docs_served_from_local_assets(console_stack: ConsoleStack) -> None:
     assert "/console/static/swagger-ui/swagger-ui-bundle.js" in r.text
     js = httpx.get(console_stack.url + "/console/static/swagger-ui/swagger-ui-bundle.js")
     assert js.status_code == 200 and len(js.content) > 1_000_000
+
+
+def test_admin_registers_a_tokenizer_by_its_hash(console_stack: ConsoleStack) -> None:
+    """Upload, a hash mismatch refused, other roles refused, and a row edited in the
+    database decodes nothing (its bytes no longer hash to its name)."""
+    import hashlib
+
+    from tokenizers import Tokenizer, models
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    content = tok.to_str().encode()
+    digest = hashlib.sha256(content).hexdigest()
+    c, csrf = signed_in(console_stack, "admin")
+    wrong = c.post("/console/tokenizers", data={"csrf_token": csrf, "expected_sha256": "0" * 64},
+                   files={"file": ("tokenizer.json", content)})
+    assert wrong.status_code == 422 and "tokenizer_hash_mismatch" in wrong.text
+    junk = c.post("/console/tokenizers", data={"csrf_token": csrf},
+                  files={"file": ("tokenizer.json", b'{"not": "a tokenizer"}')})
+    assert junk.status_code == 422 and "invalid_tokenizer" in junk.text
+    r = c.post("/console/tokenizers", data={"csrf_token": csrf, "expected_sha256": digest,
+                                            "name": "words"},
+               files={"file": ("tokenizer.json", content)})
+    assert r.status_code == 303
+    assert digest in c.get("/console/tokenizers").text
+    rc, rcsrf = signed_in(console_stack, "reviewer")
+    assert rc.post("/console/tokenizers", data={"csrf_token": rcsrf},
+                   files={"file": ("tokenizer.json", content)}).status_code == 403
+    with session_scope(console_stack.db) as s:
+        actions = [a for a, in s.execute(select(AuditEvent.action).where(
+            AuditEvent.target == digest))]
+    assert actions == ["tokenizer.register"]
+
+    from ledger.console import tokenizers
+
+    with session_scope(console_stack.db) as s:
+        assert tokenizers.decoded(s, digest, [1, 2]).text == "hello world"
+        tokenizers._CACHE._items.clear()  # a fresh process
+        s.execute(__import__("sqlalchemy").text(
+            "UPDATE tokenizers SET content = convert_to(replace(convert_from(content, 'UTF8'), "
+            "'hello', 'HACKD'), 'UTF8') "
+            "WHERE tokenizer_sha256 = :d"), {"d": digest})
+        out = tokenizers.decoded(s, digest, [1, 2])
+        assert out.pieces is None and "does not hash to its name" in (out.reason or "")
+        unknown = tokenizers.decoded(s, "f" * 64, [1, 2])
+        assert unknown.pieces is None and "is not registered" in (unknown.reason or "")
+        s.rollback()
