@@ -56,6 +56,8 @@ def _runtime(i: int) -> dict[str, Any]:
 def build(url: str, n: int, tmp: Path) -> dict[str, Any]:
     """Write the log; returns what the server and the samplers need."""
 
+    from pydantic import SecretStr
+
     from ledger.console.tokenizers import TINY_DEMO_TOKENIZER_SHA256, tiny_demo_tokenizer_json
     from ledger.core.envelope import index_fields, validate_statement
     from ledger.core.keys import generate_private_key, key_id, private_pem, public_raw
@@ -77,7 +79,7 @@ def build(url: str, n: int, tmp: Path) -> dict[str, Any]:
                                                         [public_raw(service_key)]))
     settings = Settings(database_url=url, log_name=LOG_NAME, log_key_file=tmp / "log.pem",
                         service_key_file=tmp / "service.pem", trust_policy_file=tmp / "trust.toml",
-                        api_key_pepper="bench-pepper", integrate_in_api=False, metrics_port=0)
+                        api_key_pepper=SecretStr("bench-pepper"), integrate_in_api=False, metrics_port=0)
     engine = make_engine(settings, pool_size=2)
     signer = LogSigner(LOG_NAME, log_key)
     with session_scope(engine) as s:
@@ -146,7 +148,8 @@ def build(url: str, n: int, tmp: Path) -> dict[str, Any]:
         print(f"  synthetic rows: {time.perf_counter() - started:.1f} s", flush=True)
         real = []
         with conn.cursor() as cur:
-            entries, envs = [], []
+            entries: list[tuple[Any, ...]] = []
+            envs: list[tuple[Any, ...]] = []
             for i in range(0, n, REAL_EVERY):
                 rid = f"bench-{i:09d}"
                 st = statement(rid, i)
@@ -210,7 +213,9 @@ def serve(settings: Any) -> tuple[str, Any, threading.Thread]:
 def console_client(url: str, key: str) -> httpx.Client:
     c = httpx.Client(base_url=url, timeout=60)
     form = c.get("/console/sign-in").text
-    token = re.search(r'name="csrf_token" value="([^"]+)"', form).group(1)
+    found = re.search(r'name="csrf_token" value="([^"]+)"', form)
+    assert found is not None, form[:500]
+    token = found.group(1)
     r = c.post("/console/sign-in", data={"api_key": key, "csrf_token": token})
     assert r.status_code in (200, 303), r.text
     return c
@@ -237,7 +242,6 @@ def main() -> None:
         def prefix() -> str:
             return f"bench-{rng.randrange(n):09d}"[:rng.choice((10, 11, 12))]
 
-        model = lambda: rng.choice(MODELS)  # noqa: E731
         cases: list[tuple[str, Any, Any]] = [
             ("request page (verified: signature, entry, proof, checkpoint; decoded)",
              lambda: web.get(f"/console/requests/{rng.choice(real)}"),
@@ -246,8 +250,8 @@ def main() -> None:
              lambda: web.get("/console/search", params={"q": prefix()}),
              lambda: api.get(f"/v1/envelopes/{rng.choice(real)}")),
             ("search: model name, any case",
-             lambda: web.get("/console/search", params={"model": model().upper()}),
-             lambda: api.get("/v1/envelopes", params={"model_name": model(), "order": "desc",
+             lambda: web.get("/console/search", params={"model": rng.choice(MODELS).upper()}),
+             lambda: api.get("/v1/envelopes", params={"model_name": rng.choice(MODELS), "order": "desc",
                                                        "limit": 50})),
             ("search: client X-Request-Id",
              lambda: web.get("/console/search", params={"client_request_id": prefix()}),
@@ -281,7 +285,8 @@ def main() -> None:
             for _ in range(5):  # warm caches and the tokenizer
                 page()
                 baseline()
-            t_page, t_base = [], []
+            t_page: list[float] = []
+            t_base: list[float] = []
             for _ in range(args.samples):
                 for fn, out in ((page, t_page), (baseline, t_base)):
                     t = time.perf_counter()
