@@ -79,7 +79,8 @@ def build(url: str, n: int, tmp: Path) -> dict[str, Any]:
                                                         [public_raw(service_key)]))
     settings = Settings(database_url=url, log_name=LOG_NAME, log_key_file=tmp / "log.pem",
                         service_key_file=tmp / "service.pem", trust_policy_file=tmp / "trust.toml",
-                        api_key_pepper=SecretStr("bench-pepper"), integrate_in_api=False, metrics_port=0)
+                        api_key_pepper=SecretStr("bench-pepper"), integrate_in_api=False,
+                        metrics_port=0)
     engine = make_engine(settings, pool_size=2)
     signer = LogSigner(LOG_NAME, log_key)
     with session_scope(engine) as s:
@@ -251,8 +252,8 @@ def main() -> None:
              lambda: api.get(f"/v1/envelopes/{rng.choice(real)}")),
             ("search: model name, any case",
              lambda: web.get("/console/search", params={"model": rng.choice(MODELS).upper()}),
-             lambda: api.get("/v1/envelopes", params={"model_name": rng.choice(MODELS), "order": "desc",
-                                                       "limit": 50})),
+             lambda: api.get("/v1/envelopes", params={"model_name": rng.choice(MODELS),
+                                                       "order": "desc", "limit": 50})),
             ("search: client X-Request-Id",
              lambda: web.get("/console/search", params={"client_request_id": prefix()}),
              lambda: api.get(f"/v1/envelopes/{rng.choice(real)}")),
