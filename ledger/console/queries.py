@@ -188,7 +188,9 @@ class RequestView:
 
     @property
     def verified(self) -> bool:
-        return all(c.ok for c in self.checks)
+        """Every check holds (a witness quorum not reached yet is shown, not required)."""
+        return all(c.ok is True for c in self.checks if c.name != "witnesses") and \
+            not any(c.ok is False for c in self.checks)
 
 
 def request_view(session: Session, settings: Settings, request_id: str) -> RequestView:
@@ -223,17 +225,44 @@ def request_view(session: Session, settings: Settings, request_id: str) -> Reque
     return view
 
 
-def _log_verifiers(session: Session, settings: Settings) -> tuple[list[Any], str]:
+def _trust(settings: Settings) -> Any:
+    if settings.trust_policy_file is None:
+        return None
+    from ledger.core.trust import load_trust_policy
+
+    return load_trust_policy(settings.trust_policy_file)
+
+
+def _log_verifiers(session: Session, settings: Settings, trust: Any) -> tuple[list[Any], str]:
     from ledger.log.signer import log_verifiers, trusted_log_verifiers
 
-    if settings.trust_policy_file is not None:
-        from ledger.core.trust import load_trust_policy
-
-        trust = load_trust_policy(settings.trust_policy_file)
+    if trust is not None:
         return trusted_log_verifiers(trust, settings.log_name), \
-            f"the trust policy's log keys ({settings.trust_policy_file.name})"
+            f"the trust policy's log keys ({settings.trust_policy_file.name})"  # type: ignore[union-attr]
     return log_verifiers(session, settings.log_name), \
         "log keys registered in this database (no trust policy is configured)"
+
+
+def _witness_check(session: Session, trust: Any, tree_size: int) -> Check | None:
+    """The trust policy's witnesses that cosigned this checkpoint (None: none configured).
+    Witnessing lags the log, so a checkpoint below quorum is pending, not failed."""
+    from ledger.core.cosignature import verified_witnesses
+    from ledger.log.witnessing import cosigned_note
+
+    from ledger.core.errors import LedgerError
+
+    if trust is None or not trust.witnesses:
+        return None
+    try:
+        names = verified_witnesses(cosigned_note(session, tree_size), trust.witnesses)
+    except LedgerError as exc:  # a cosignature by a trusted witness that does not verify
+        return Check("witnesses", False, str(exc))
+    need = trust.quorum
+    detail = (f"cosigned by {len(names)} of the policy's {len(trust.witnesses)} witnesses"
+              + (f" ({', '.join(names)})" if names else "") + f"; quorum {need}")
+    if need and len(names) < need:
+        return Check("witnesses", None, detail + ": not yet (witnessing lags the log)")
+    return Check("witnesses", True, detail)
 
 
 def verify_record(session: Session, settings: Settings, kind: str, ref: str,
@@ -273,7 +302,8 @@ def verify_record(session: Session, settings: Settings, kind: str, ref: str,
                         if receipt.entry == entry else
                         f"leaf {log_index} holds other bytes than this record's entry"))
     try:
-        verifiers, source = _log_verifiers(session, settings)
+        trust = _trust(settings)
+        verifiers, source = _log_verifiers(session, settings, trust)
         cp = open_checkpoint(receipt.checkpoint.note, verifiers, origin=settings.log_name)
         cp_ok = cp.size == receipt.tree_size and cp.root_hash == receipt.checkpoint.root_hash
         checks.append(Check("checkpoint", cp_ok, f"signed checkpoint of size {cp.size}, "
@@ -283,6 +313,9 @@ def verify_record(session: Session, settings: Settings, kind: str, ref: str,
                                 cp.root_hash)
         checks.append(Check("inclusion", True, f"RFC 9162 inclusion proof of leaf {log_index} "
                             f"in the tree of size {cp.size} ({len(receipt.proof)} hashes)"))
+        witnessed = _witness_check(session, trust, cp.size)
+        if witnessed is not None:
+            checks.append(witnessed)
     except (LedgerError, ValueError, OSError) as exc:
         checks.append(Check("inclusion", False, str(exc)))
     return checks, receipt.to_json()

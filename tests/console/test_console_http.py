@@ -7,6 +7,8 @@ from __future__ import annotations
 import html
 import re
 import time
+from pathlib import Path
+from typing import Any
 
 import httpx
 from sqlalchemy import select
@@ -220,4 +222,70 @@ def test_admin_registers_a_tokenizer_by_its_hash(console_stack: ConsoleStack) ->
         assert out.pieces is None and "does not hash to its name" in (out.reason or "")
         unknown = tokenizers.decoded(s, "f" * 64, [1, 2])
         assert unknown.pieces is None and "is not registered" in (unknown.reason or "")
+        s.rollback()
+
+
+def test_sign_out_and_a_revoked_key_end_the_session(console_stack: ConsoleStack) -> None:
+    from ledger.services.apikeys import create_api_key, revoke_api_key
+    from tests.helpers import TEST_PEPPER
+
+    c, csrf = signed_in(console_stack, "reviewer")
+    assert c.post("/console/sign-out", data={"csrf_token": csrf}).status_code == 303
+    assert c.get("/console/search").status_code == 303  # back to the sign-in form
+    with session_scope(console_stack.db) as s:
+        row, key = create_api_key(s, name="console-short-lived", role="auditor",
+                                  pepper=TEST_PEPPER)
+        key_id = str(row.id)
+    console_stack.keys["short-lived"] = key
+    c, _ = signed_in(console_stack, "short-lived")
+    assert c.get("/console/search").status_code == 200
+    with session_scope(console_stack.db) as s:
+        revoke_api_key(s, key_id)
+    assert c.get("/console/search").status_code == 303
+
+
+def test_request_page_counts_witness_cosignatures(console_stack: ConsoleStack,
+                                                  tmp_path: Path) -> None:
+    """With witnesses in the trust policy the page checks the checkpoint's cosignatures:
+    below quorum it is pending, at quorum it holds, a forged one fails."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from sqlalchemy import text
+
+    from ledger.console import queries
+    from ledger.core.cosignature import sign_cosignature, split_note
+    from ledger.core.keys import load_private_pem, public_raw
+    from ledger.core.trust import WitnessKey, format_trust_policy
+    from ledger.log.store import latest_checkpoint
+
+    stack = console_stack
+    witness = Ed25519PrivateKey.generate()
+    wk = WitnessKey.from_public_key("witness.example", public_raw(witness))
+    trust = tmp_path / "trust.toml"
+    trust.write_text(format_trust_policy(
+        stack.settings.log_name, [public_raw(load_private_pem(
+            stack.settings.log_key_file.read_bytes()))], [], [wk], quorum=1))
+    settings = stack.settings.model_copy(update={"trust_policy_file": trust})
+
+    def witness_check(session: Any) -> queries.Check:
+        view = queries.request_view(session, settings, stack.honest)
+        return next(c for c in view.checks if c.name == "witnesses")
+
+    with session_scope(stack.db) as s:
+        pending = witness_check(s)
+        assert pending.ok is None and "not yet" in pending.detail
+        with s.connection().connection.cursor() as cur:
+            cp = latest_checkpoint(cur)
+        line = sign_cosignature(split_note(cp.note)[0], wk.name, witness, int(time.time()))
+        s.execute(text("INSERT INTO checkpoint_cosignatures (tree_size, witness_name, key_id, "
+                       "timestamp, signature) VALUES (:n, :w, :k, :t, :l)"),
+                  {"n": cp.tree_size, "w": wk.name, "k": wk.key_id, "t": int(time.time()),
+                   "l": line})
+        held = witness_check(s)
+        assert held.ok is True and "witness.example" in held.detail
+        s.rollback()
+        forged = sign_cosignature(split_note(cp.note)[0] + "x\n", wk.name, witness, 1)
+        s.execute(text("INSERT INTO checkpoint_cosignatures (tree_size, witness_name, key_id, "
+                       "timestamp, signature) VALUES (:n, :w, :k, 1, :l)"),
+                  {"n": cp.tree_size, "w": wk.name, "k": wk.key_id, "l": forged})
+        assert witness_check(s).ok is False
         s.rollback()
