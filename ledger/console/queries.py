@@ -247,9 +247,8 @@ def _witness_check(session: Session, trust: Any, tree_size: int) -> Check | None
     """The trust policy's witnesses that cosigned this checkpoint (None: none configured).
     Witnessing lags the log, so a checkpoint below quorum is pending, not failed."""
     from ledger.core.cosignature import verified_witnesses
-    from ledger.log.witnessing import cosigned_note
-
     from ledger.core.errors import LedgerError
+    from ledger.log.witnessing import cosigned_note
 
     if trust is None or not trust.witnesses:
         return None
@@ -432,20 +431,6 @@ def diff_steps(expected: dict[str, Any], replayed: dict[str, Any]) -> list[Step]
 
     return [Step(i, at(et, i), at(rt, i), at(el, i), at(rl, i))
             for i in range(max(len(et), len(rt)))]
-
-
-def top_at(side: dict[str, Any], i: int) -> list[tuple[int, float]]:
-    """The top-k (token, logprob) at step ``i`` of one side (the chosen token if no top-k)."""
-    if i < 0:
-        return []
-    tops = side.get("top_logprobs")
-    if tops is not None and i < len(tops) and tops[i]:
-        return [(int(e["token_id"]) if isinstance(e, dict) else int(e[0]),
-                 float(e["logprob"]) if isinstance(e, dict) else float(e[1])) for e in tops[i]]
-    ids, lps = side.get("token_ids") or [], side.get("logprobs")
-    if lps is not None and i < len(ids) and i < len(lps):
-        return [(ids[i], lps[i])]
-    return []
 
 
 # --- re-verification ------------------------------------------------------------------------

@@ -345,7 +345,9 @@ def _label(pieces: dict[int, str] | None, token: int | None) -> str:
     if token is None:
         return "(ended)"
     if pieces is not None and token in pieces:
-        return f"{pieces[token]!r} #{token}"
+        text = pieces[token]
+        shown = text if text.startswith("<") and text.endswith(">") else repr(text)
+        return f"{shown} #{token}"
     return f"#{token}"
 
 
@@ -372,23 +374,28 @@ def verdict_page(request: Request,
     texts: dict[int, str] | None = None
     if tok is not None:
         vocab_ids = {s.expected for s in steps} | {s.replayed for s in steps}
-        for side in (expected, replayed):
-            for step in side.get("top_logprobs") or []:
-                vocab_ids |= {int(e["token_id"] if isinstance(e, dict) else e[0]) for e in step}
+        for tops in ((div or {}).get("expected_top_logprobs") or {},
+                     (div or {}).get("replayed_top_logprobs") or {}):
+            for step in tops.values():
+                vocab_ids |= {int(t) for t, _ in step or []}
         texts = {t: tokenizers.token_text(tok, t) for t in vocab_ids if t is not None}
     topk = []
-    if k is not None:
-        for at in (k - 1, k):
+    if div is not None and k is not None:
+        # the top-k both sides signed into the verdict at k-1 and k (every verdict has them)
+        recorded_tokens = expected.get("token_ids") or []
+        for key, at in (("k-1", k - 1), ("k", k)):
             if at < 0:
                 continue
+            before = recorded_tokens[at] if at < len(recorded_tokens) else None
             row = []
-            for name, side, chosen in (("recorded", expected, steps[at].expected
-                                        if at < len(steps) else None),
-                                       ("replayed", replayed, steps[at].replayed
-                                        if at < len(steps) else None)):
-                entries = [(_label(texts, t), lp, t == chosen)
-                           for t, lp in queries.top_at(side, at)]
-                row.append(charts.topk_bars(entries, title=f"{name} at step {at}"))
+            for name, tops, chosen in (
+                    ("recorded", (div.get("expected_top_logprobs") or {}).get(key),
+                     div.get("expected_token") if key == "k" else before),
+                    ("replayed", (div.get("replayed_top_logprobs") or {}).get(key),
+                     div.get("replayed_token") if key == "k" else before)):
+                entries = [(_label(texts, int(t)), float(lp), int(t) == chosen)
+                           for t, lp in tops or []]
+                row.append(charts.topk_bars(entries, title=f"{name} at step {at} ({key})"))
             topk.append((at, row))
     diffs = [s.logprob_diff for s in steps[: (k if k is not None else len(steps))]]
     diff_chart = charts.step_diffs(

@@ -35,11 +35,6 @@ def test_diff_steps_for_new_and_old_verdicts() -> None:
     assert steps[3].expected is None and steps[3].logprob_diff is None
     old = queries.diff_steps(expected, {})  # a verdict from before replays were recorded
     assert [s.replayed for s in old] == [None, None, None]
-    tops = {"token_ids": [7], "logprobs": [-0.5],
-            "top_logprobs": [[{"token_id": 7, "logprob": -0.5}, {"token_id": 9, "logprob": -2}]]}
-    assert queries.top_at(tops, 0) == [(7, -0.5), (9, -2.0)]
-    assert queries.top_at({"token_ids": [7], "logprobs": [-0.5]}, 0) == [(7, -0.5)]
-    assert queries.top_at(tops, -1) == [] and queries.top_at(tops, 5) == []
 
 
 def test_charts() -> None:
