@@ -163,9 +163,11 @@ class ReplayWorker:
         if digest not in self._engines:
             held = self.models[digest]
             if self.engine_name == "vllm":
-                from workers.engine.vllm_adapter import VLLMEngine
+                from workers.engine.vllm_adapter import VLLMEngine, memory_engine_args
 
-                self._engines[digest] = VLLMEngine(held.path, dtype=self.dtype)
+                self._engines[digest] = VLLMEngine(
+                    held.path, dtype=self.dtype,
+                    extra_engine_args=memory_engine_args(self.settings.vllm_engine_args))
             else:
                 from workers.engine import load_engine
 

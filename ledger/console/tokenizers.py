@@ -15,6 +15,7 @@ import hashlib
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -195,18 +196,18 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
-def tiny_demo_tokenizer_json() -> bytes:
-    """tiny-demo's vocabulary (ids 0-255 the byte values, 256-259 ``<bos>``, ``<eos>``,
-    ``<pad>``, ``<unk>``: :mod:`workers.serve.tokenizer`) as a ``tokenizer.json``, built the
-    same way every time (sorted keys, no spaces), so its SHA-256 is stable."""
-    specials = ["<bos>", "<eos>", "<pad>", "<unk>"]
+def byte_level_tokenizer_json(tokens: Mapping[int, str], special: Iterable[int] = ()) -> bytes:
+    """A ``tokenizer.json`` whose ids 0-255 are the byte values and ``tokens`` the rest
+    (``special``: the ids marked special, e.g. BOS and EOS), built the same way every time
+    (sorted keys, no spaces), so its SHA-256 is stable. Text encodes byte by byte."""
+    special = set(special)
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
-    vocab.update({s: 256 + i for i, s in enumerate(specials)})
+    vocab.update({content: i for i, content in tokens.items()})
     doc: dict[str, Any] = {
         "version": "1.0", "truncation": None, "padding": None,
-        "added_tokens": [{"id": 256 + i, "content": s, "single_word": False, "lstrip": False,
-                          "rstrip": False, "normalized": False, "special": True}
-                         for i, s in enumerate(specials)],
+        "added_tokens": [{"id": i, "content": tokens[i], "single_word": False,
+                          "lstrip": False, "rstrip": False, "normalized": False,
+                          "special": True} for i in sorted(special)],
         "normalizer": None,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
                           "use_regex": False},
@@ -219,6 +220,13 @@ def tiny_demo_tokenizer_json() -> bytes:
                   "vocab": vocab, "merges": []},
     }
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def tiny_demo_tokenizer_json() -> bytes:
+    """tiny-demo's vocabulary (ids 0-255 the byte values, 256-259 ``<bos>``, ``<eos>``,
+    ``<pad>``, ``<unk>``: :mod:`workers.serve.tokenizer`) as a ``tokenizer.json``."""
+    specials = {256 + i: s for i, s in enumerate(["<bos>", "<eos>", "<pad>", "<unk>"])}
+    return byte_level_tokenizer_json(specials, specials)
 
 
 TINY_DEMO_TOKENIZER_SHA256 = hashlib.sha256(tiny_demo_tokenizer_json()).hexdigest()

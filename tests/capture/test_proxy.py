@@ -64,10 +64,10 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
 
 
 def _call(client: openai.OpenAI, endpoint: str, args: dict[str, Any], stream: bool,
-          request_id: str) -> bytes:
+          request_id: str, model: str = MODEL) -> bytes:
     resource = client.completions if endpoint == "completions" else client.chat.completions
     kwargs = {k: v for k, v in args.items() if not k.startswith("_")}
-    kwargs |= {"model": MODEL, "extra_headers": {"X-Request-Id": request_id}}
+    kwargs |= {"model": model, "extra_headers": {"X-Request-Id": request_id}}
     if stream:
         kwargs["stream"] = True
         if args.get("_usage"):
