@@ -57,7 +57,7 @@ CAPTURE_PATHS: dict[str, str] = {"/v1/completions": "completion",
 MAX_SEED = 2**53 - 1                      # the envelope's (I-JSON safe) seed range
 SEED_BITS = 53
 CLAMPED_LOGPROB = -9999.0                 # vLLM's floor for -inf: not a real value
-# vLLM 0.25 raises a temperature in (0, 0.01) to 0.01 (vllm/sampling_params.py:447-455,
+# vLLM 0.25 raises a temperature in (0, 0.01) to 0.01 (vllm/sampling_params.py:449-457,
 # _MAX_TEMP = 1e-2), so only 0 is greedy; the proxy sends and records the raised value.
 MIN_SAMPLING_TEMPERATURE = 1e-2
 
@@ -307,7 +307,7 @@ def _chat_top_is_exact(step: list[tuple[int, float]], sampled: int | None, k: in
 
     vLLM 0.25 keeps per step a dict of the sampled token first, then the top k
     (vllm/logprobs.py:175-206, ``append_logprobs_for_next_position``), and chat lists its
-    first k entries (chat_completion/serving.py:1092-1113, ``_get_top_logprobs``). So the
+    first k entries (chat_completion/serving.py:1093-1115, ``_get_top_logprobs``). So the
     list is the top k only when the sampled token is among them; when it ranks below k
     the list is the sampled token plus the top k-1. That shows when the sampled token
     (listed first) is more likely than some other entry (it ranks above k), or when
@@ -580,7 +580,7 @@ class StreamEditor:
         if droppable:
             # vLLM sends a chunk with an empty delta before the last one only because token
             # IDs were asked for (a tool/reasoning parser held the text back; 0.25:
-            # chat_completion/serving.py:621-630, whatever logprobs say): the client, who
+            # chat_completion/serving.py:632-640, whatever logprobs say): the client, who
             # did not ask for them, would not have received it.
             return None
         if not nulls:

@@ -146,7 +146,7 @@ def test_members_and_fingerprint_are_vllms(engine_server: Process) -> None:
 
 def test_chat_top_logprobs_list_the_sampled_token_first(engine_server: Process) -> None:
     """vLLM 0.25: the first k of {sampled token, best others} (vllm/logprobs.py:175-206,
-    chat_completion/serving.py:1092-1113); the chosen token's ``bytes`` are its text's."""
+    chat_completion/serving.py:1093-1115); the chosen token's ``bytes`` are its text's."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
             "max_tokens": 12, "temperature": 1.5, "seed": 5, "logprobs": True,
             "top_logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True}

@@ -238,12 +238,12 @@ def test_incomplete_stream_records_nothing() -> None:
 #   included (completion/protocol.py:520-562, chat_completion/protocol.py:58-137), compact,
 #   Python's float text;
 # - stream chunks: ``chunk.model_dump_json(exclude_unset=True)`` (completion/serving.py:440,
-#   chat_completion/serving.py:505,757): only members the server set (to ``None`` too),
+#   chat_completion/serving.py:525,743): only members the server set (to ``None`` too),
 #   pydantic's float text (``-1e-7``, ``0.00001``); the usage chunk adds
-#   ``exclude_none=True`` (completion/serving.py:483-485, chat_completion/serving.py:797);
+#   ``exclude_none=True`` (completion/serving.py:483-485, chat_completion/serving.py:786-788);
 # - ``system_fingerprint`` (default ``--fingerprint-mode full``: ``vllm-<version>-<hash8>``,
 #   serve/utils/fingerprint.py) in every body, on the last chunk with a ``finish_reason``
-#   when no usage chunk follows (chat_completion/serving.py:742-748), else on the usage chunk.
+#   when no usage chunk follows (chat_completion/serving.py:723-732), else on the usage chunk.
 FP = "vllm-0.25.0-1a2b3c4d"
 VLLM_COMPLETION = (
     '{"id":"cmpl-rq","object":"text_completion","created":1764590000,"model":"tiny-demo",'
@@ -385,7 +385,7 @@ def test_vllm_completion_stream_with_continuous_usage() -> None:
 
 def test_chunk_sent_only_for_token_ids_is_dropped_even_when_logprobs_were_asked() -> None:
     """With a tool/reasoning parser holding text back, vLLM 0.25 sends a chunk with an
-    empty delta only when ``return_token_ids`` is on (chat_completion/serving.py:621-630)."""
+    empty delta only when ``return_token_ids`` is on (chat_completion/serving.py:632-640)."""
     head = '"id":"chatcmpl-p","object":"chat.completion.chunk","created":7,"model":"m"'
     held = ('{' + head + ',"choices":[{"index":0,"delta":{},"logprobs":{"content":[{"token":'
             '"<","logprob":-0.5,"bytes":[60],"top_logprobs":[]}]},"finish_reason":null,'
@@ -408,7 +408,7 @@ def _chat_top_body(steps: list[tuple[int, float, list[tuple[int, float]]]]) -> b
 
 def test_chat_top_logprobs_are_recorded_only_when_they_are_the_top_k() -> None:
     """vLLM 0.25 lists the sampled token first, then the best others, k in all
-    (vllm/logprobs.py:175-206; chat_completion/serving.py:1092-1113)."""
+    (vllm/logprobs.py:175-206; chat_completion/serving.py:1093-1115)."""
     asked = {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
              "top_logprobs": 3, "return_tokens_as_token_ids": True, "temperature": 0.8}
     _, plan = _prepare("chat", asked)
@@ -431,7 +431,7 @@ def test_chat_top_logprobs_are_recorded_only_when_they_are_the_top_k() -> None:
 
 
 def test_temperature_below_vllms_floor_is_sent_and_recorded_as_it_runs() -> None:
-    """vLLM 0.25 runs a temperature in (0, 0.01) at 0.01 (vllm/sampling_params.py:447-455)."""
+    """vLLM 0.25 runs a temperature in (0, 0.01) at 0.01 (vllm/sampling_params.py:449-457)."""
     sent, plan = _prepare("completion", {"prompt": "a", "temperature": 0.004})
     assert sent["temperature"] == 0.01 and plan.sampling["temperature"] == 0.01
     sent, plan = _prepare("completion", {"prompt": "a", "temperature": 0})

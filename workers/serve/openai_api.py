@@ -56,7 +56,7 @@ from workers.serve.tokenizer import ByteTokenizer, IncrementalDecoder
 LOGPROB_FLOOR = -9999.0
 MAX_LOGPROBS = 20          # vLLM's --max-logprobs default
 SEED_BITS = 63
-MIN_TEMPERATURE = 1e-2     # vLLM raises (0, 0.01) to this (vllm/sampling_params.py:447-455)
+MIN_TEMPERATURE = 1e-2     # vLLM raises (0, 0.01) to this (vllm/sampling_params.py:449-457)
 MAX_TEMPERATURE = 2.0      # and refuses more (sampling_params.py:548-553)
 
 
@@ -457,7 +457,7 @@ def _completion_logprobs(choice: ChoiceText, start: int, stop: int, parsed: Pars
 
 def _chat_logprobs(choice: ChoiceText, start: int, stop: int, parsed: Parsed,
                    tokenizer: ByteTokenizer | None) -> dict[str, Any]:
-    """As vLLM 0.25 (chat_completion/serving.py:1092-1179): per step a dict of the sampled
+    """As vLLM 0.25 (chat_completion/serving.py:1093-1179): per step a dict of the sampled
     token first, then the top k (vllm/logprobs.py:175-206), of which ``top_logprobs`` are
     the first k entries, so a sampled token ranked below k displaces the k-th best. The
     chosen token's ``bytes`` are those of its decoded text even when ``token`` is
@@ -604,7 +604,7 @@ def chat_chunks(parsed: Parsed, choice: ChoiceText, tokenizer: ByteTokenizer | N
                 created: int, *, system_fingerprint: str | None = None) -> Iterator[str]:
     """SSE events of a streamed chat completion: the role chunk (with prompt_token_ids
     and prompt_text), one chunk per token, then usage, then [DONE] (vLLM 0.25:
-    chat_completion/serving.py:407-824)."""
+    chat_completion/serving.py:408-824)."""
     prompt = parsed.prompts[0]
     head = {"id": parsed.request_id, "object": "chat.completion.chunk", "created": created,
             "model": parsed.model}
