@@ -188,9 +188,11 @@ def test_unrecordable_request_is_forwarded_unchanged_and_counted(
 
     via, _ = clients
     before = httpx.get(proxy_server.base_url + "/ledger/capture/status").json()
-    with pytest.raises(openai.BadRequestError) as info:      # the upstream's own refusal
-        via.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=2)
-    assert "`n` is not supported" in str(info.value)
+    # the upstream's own refusal: vLLM 0.25 runs n=2 when sampling and refuses it only
+    # when greedy (vllm/sampling_params.py:623-625); ledger engine serve says the same
+    with pytest.raises(openai.BadRequestError) as info:
+        via.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=2, temperature=0)
+    assert "n must be 1 when using greedy sampling" in str(info.value)
     after = httpx.get(proxy_server.base_url + "/ledger/capture/status").json()
     assert after["unrecordable"] == before["unrecordable"] + 1
     assert any("`n`" in reason for reason in after["unrecordable_reasons"])
