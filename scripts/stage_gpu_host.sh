@@ -21,9 +21,10 @@ pins=$("$PY" -m pip freeze 2>/dev/null | grep -iE '^(sqlalchemy|alembic|psycopg|
   "${PLAT[@]}" -d .gpu/wheels $pins rfc8785 \
   aiohttp uvloop model-hosting-container-standards jmespath python-multipart py-cpuinfo \
   cloudpickle "pydantic==2.14.4" "fastapi==0.136.3" "starlette==1.10.0"
-# vLLM's staged deps and the host image's own (never shadowed)
-for skip in pydantic pydantic_core typing_inspection annotated_types fastapi starlette \
-            rfc8785 setuptools packaging typing_extensions certifi idna markupsafe psutil \
+# the host image's own (never shadowed); pydantic, fastapi and starlette at the versions
+# stage_vllm.sh stages, so the ledger runs before vLLM is installed
+for skip in \
+            setuptools packaging typing_extensions certifi idna markupsafe psutil \
             numpy; do
   rm -f .gpu/wheels/"${skip}"-[0-9]*.whl
 done

@@ -128,7 +128,7 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
          "--served-model-name", VLLM_MODEL, "--host", "127.0.0.1", "--port", str(port),
-         "--gpu-memory-utilization", "0.3",
+         "--gpu-memory-utilization", "0.3", "--generation-config", "vllm",
          *serve_args(max_model_len=int(SMALL_LLAMA["max_position_embeddings"]))],
         env=_vllm_env(), stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     base = f"http://127.0.0.1:{port}"
