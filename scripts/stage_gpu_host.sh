@@ -37,6 +37,12 @@ if [ -f "$SITE/.ledger-stack" ]; then echo "ledger stack already in $SITE"; exit
 mkdir -p "$SITE"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
   "$(dirname "$0")"/wheels/*.whl
+# the checkout runs from PYTHONPATH, not installed: give it the metadata of an install, so
+# vLLM finds the `inference_ledger_pin` entry point (pyproject.toml) in every process
+d="$SITE/inference_ledger-0.1.0.dist-info"; mkdir -p "$d"
+printf 'Metadata-Version: 2.1\nName: inference-ledger\nVersion: 0.1.0\n' > "$d/METADATA"
+printf '[vllm.general_plugins]\ninference_ledger_pin = workers.engine.vllm_plugin:register\n' \
+  > "$d/entry_points.txt"
 touch "$SITE/.ledger-stack"
 echo "ledger stack installed into $SITE ($(ls "$(dirname "$0")"/wheels | wc -l) wheels)"
 SH

@@ -144,6 +144,8 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Upstream]:
                 pass
             assert time.monotonic() < deadline, log_path.read_text()[-4000:]
             time.sleep(0.5)
+        # the pin plugin loaded by `vllm serve` itself (through the entry point)
+        assert "inference-ledger: top-k/top-p pinned" in log_path.read_text(errors="replace")
         yield Upstream(base, VLLM_MODEL, model, "vllm", "bfloat16", fp, EOS)
     finally:
         stop_process(proc)
