@@ -163,10 +163,14 @@ class ReplayWorker:
         if digest not in self._engines:
             held = self.models[digest]
             if self.engine_name == "vllm":
-                from workers.engine.vllm_adapter import VLLMEngine, memory_engine_args
+                from workers.engine.vllm_adapter import (
+                    MAX_SERVE_SEQS,
+                    VLLMEngine,
+                    memory_engine_args,
+                )
 
                 self._engines[digest] = VLLMEngine(
-                    held.path, dtype=self.dtype,
+                    held.path, dtype=self.dtype, max_batch=min(self.max_batch, MAX_SERVE_SEQS),
                     extra_engine_args=memory_engine_args(self.settings.vllm_engine_args))
             else:
                 from workers.engine import load_engine

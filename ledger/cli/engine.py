@@ -165,6 +165,9 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
         no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant"),
         tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1),
+        max_num_seqs: int = typer.Option(1, "--max-num-seqs", min=1, help="vllm: the "
+                                         "`vllm serve --max-num-seqs` this fingerprint is "
+                                         "for (above 1: not batch invariant)."),
     ) -> None:
         """Print this node's runtime fingerprint as JSON (fingerprint_id and runtime)."""
         from ledger.core.fingerprint import fingerprint_id
@@ -178,7 +181,7 @@ def register(app: typer.Typer) -> None:
                 from workers.engine.vllm_adapter import vllm_runtime
 
                 runtime = vllm_runtime(dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                                       device=device)
+                                       device=device, max_num_seqs=max_num_seqs)
             else:
                 raise _fail(f"unknown engine {engine_name!r} (reference | vllm)")
         except ImportError as exc:

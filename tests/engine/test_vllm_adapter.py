@@ -11,6 +11,7 @@ from workers.engine import vllm_plugin
 from workers.engine.api import SamplingParams
 from workers.engine.selfcheck import self_check_sizes
 from workers.engine.vllm_adapter import (
+    MAX_SERVE_SEQS,
     RESOLVED_DEFAULTS,
     SCHEDULER_DEFAULTS,
     VLLM_ENV,
@@ -18,6 +19,7 @@ from workers.engine.vllm_adapter import (
     memory_engine_args,
     result_from_output,
     runtime_from,
+    serve_args,
     settings_from_config,
     vllm_engine_kwargs,
     vllm_sampling_kwargs,
@@ -246,3 +248,23 @@ def test_worker_engine_args_may_only_change_memory() -> None:
     with pytest.raises(ValueError, match=r"not \['enforce_eager', 'max_num_seqs'\]"):
         memory_engine_args({"max_num_seqs": 64, "enforce_eager": True,
                             "gpu_memory_utilization": 0.3})
+
+
+def test_a_vllm_serve_node_is_invariant_only_one_sequence_at_a_time() -> None:
+    """Continuous batching (measured on the H200: 41/86 records bitwise at 16 in flight,
+    86/86 at 1): a `vllm serve` fingerprint above MAX_SERVE_SEQS says why it is not batch
+    invariant; the flags we print for `vllm serve` pin 1; `vllm.LLM`'s static batches of
+    16 (the worker's engine) are not affected."""
+    serve = {**SCHEDULER_DEFAULTS, **RESOLVED_DEFAULTS}
+    for seqs, invariant in ((MAX_SERVE_SEQS, True), (2, False), (16, False)):
+        rt = runtime_from(version="0.25.0", device=DEVICE, dtype="bfloat16",
+                          tensor_parallel_size=1, attention_backend="FLASH_ATTN", env=VLLM_ENV,
+                          settings={**serve, "max_num_seqs": seqs}, pin=PIN, serving=True)
+        assert rt["batch_invariant"] is invariant, rt
+        if not invariant:
+            assert "continuous batching" in rt["not_batch_invariant_because"]
+    assert _runtime(max_num_seqs=16)["batch_invariant"] is True       # vllm.LLM, static
+    args = serve_args(max_model_len=4096)
+    assert args[args.index("--max-num-seqs") + 1] == str(MAX_SERVE_SEQS) == "1"
+    with pytest.raises(ValueError, match="max_model_len"):
+        serve_args(max_model_len=16384)

@@ -51,6 +51,15 @@ SUPPORTED_VLLM = ("0.25.",)
 #: issue trackers report divergence from ~44 sequences in flight and a batch-invariant
 #: RMSNorm block-size change at >= 256. 16 is the largest size measured safe with margin.
 MAX_INVARIANT_SEQS = 16
+#: Largest ``vllm serve --max-num-seqs`` admitted as batch invariant: 1. ``vllm serve``
+#: batches continuously (a request's prefill joins other requests' decode steps), which the
+#: flag does not make invariant. Measured on an H200 (tests/capture/test_proxy_vllm.py, 86
+#: records through ``ledger proxy``, 60 of them sent 16 at a time, each replayed alone with
+#: ``vllm.LLM``): at --max-num-seqs 16, 41 bitwise, 25 token-identical with other logprob
+#: bits, 20 diverged; at 1, 86/86 bitwise. Static batches of ``vllm.LLM`` (all requests
+#: admitted together, what :class:`VLLMEngine` runs) stay invariant up to
+#: :data:`MAX_INVARIANT_SEQS`.
+MAX_SERVE_SEQS = 1
 #: Batch sizes where vLLM changes a code path (sampler: 8 rows) or where divergence has
 #: been reported (~44 sequences in flight); the self-check runs both sides of each.
 BATCH_THRESHOLDS = (8, 44)
@@ -74,7 +83,8 @@ SCHEDULER_DEFAULTS: dict[str, Any] = {
 
 
 def serve_args(*, max_model_len: int, dtype: str = "bfloat16", seed: int = 0,
-               attention_backend: str = DEFAULT_ATTENTION_BACKEND) -> list[str]:
+               attention_backend: str = DEFAULT_ATTENTION_BACKEND,
+               max_num_seqs: int = MAX_SERVE_SEQS) -> list[str]:
     """``vllm serve`` flags for the settings :class:`VLLMEngine` pins (run it with
     :data:`VLLM_ENV`'s numeric variables set), so that a server records what a worker with
     ``ledger fingerprint --engine vllm``'s fingerprint replays. ``max_model_len`` must be
@@ -85,7 +95,7 @@ def serve_args(*, max_model_len: int, dtype: str = "bfloat16", seed: int = 0,
                          f"{s['max_num_batched_tokens']}: a prompt could not be scheduled")
     return [
         "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len),
-        "--max-num-seqs", str(s["max_num_seqs"]),
+        "--max-num-seqs", str(max_num_seqs),
         "--max-num-batched-tokens", str(s["max_num_batched_tokens"]),
         "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--no-async-scheduling",
         "--long-prefill-token-threshold", str(s["long_prefill_token_threshold"]),
@@ -187,9 +197,13 @@ def settings_from_config(vllm_config: Any) -> dict[str, Any]:
 
 
 def invariance_problems(version: str, env: Mapping[str, str], settings: Mapping[str, Any],
-                        pin: Mapping[str, Any]) -> list[str]:
-    """Why this configuration is not (known to be) batch invariant; empty when it is."""
+                        pin: Mapping[str, Any], *, serving: bool = False) -> list[str]:
+    """Why this configuration is not (known to be) batch invariant; empty when it is.
+    ``serving``: a ``vllm serve`` node (continuous batching), not ``vllm.LLM``."""
     problems = []
+    if serving and int(settings.get("max_num_seqs") or 0) > MAX_SERVE_SEQS:
+        problems.append(f"vllm serve with max_num_seqs > {MAX_SERVE_SEQS} (continuous "
+                        "batching; measured: 41/86 records bitwise at 16)")
     if not any(version.startswith(v) for v in SUPPORTED_VLLM):
         problems.append(f"vLLM {version} is not a measured version ({SUPPORTED_VLLM})")
     if env.get("VLLM_BATCH_INVARIANT") != "1":
@@ -215,10 +229,10 @@ def invariance_problems(version: str, env: Mapping[str, str], settings: Mapping[
 def runtime_from(
     *, version: str, device: Mapping[str, Any], dtype: str, tensor_parallel_size: int,
     attention_backend: str, env: Mapping[str, str], settings: Mapping[str, Any],
-    pin: Mapping[str, Any],
+    pin: Mapping[str, Any], serving: bool = False,
 ) -> dict[str, Any]:
     """The fingerprint runtime of a vLLM node from its parts (pure; unit tested)."""
-    problems = invariance_problems(version, env, settings, pin)
+    problems = invariance_problems(version, env, settings, pin, serving=serving)
     return {
         "engine": "vllm",
         "engine_version": version,
@@ -240,6 +254,7 @@ def vllm_runtime(
     *, dtype: str, tensor_parallel_size: int = 1,
     attention_backend: str = DEFAULT_ATTENTION_BACKEND, device: str = "cuda",
     settings: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+    max_num_seqs: int = MAX_SERVE_SEQS,
 ) -> dict[str, Any]:
     """The fingerprint runtime of a vLLM worker configured as :class:`VLLMEngine` does.
 
@@ -252,15 +267,16 @@ def vllm_runtime(
     from workers.engine.runtime import device_runtime
 
     pin = vllm_plugin.pin_flags()
-    if settings is None:     # no engine here: what a `vllm serve` with our plugin installed pins
-        settings = {**SCHEDULER_DEFAULTS, **RESOLVED_DEFAULTS}
+    serving = settings is None
+    if serving:     # no engine here: what a `vllm serve` with our plugin installed pins
+        settings = {**SCHEDULER_DEFAULTS, **RESOLVED_DEFAULTS, "max_num_seqs": max_num_seqs}
         pin = vllm_plugin.expected_flags(vllm.__version__)
     return runtime_from(
         version=vllm.__version__, device=device_runtime(device), dtype=dtype,
         tensor_parallel_size=tensor_parallel_size, attention_backend=attention_backend,
         env=env if env is not None else {**VLLM_ENV, **{k: os.environ[k] for k in NUMERIC_ENV
                                                         if k in os.environ}},
-        settings=settings, pin=pin)
+        settings=settings, pin=pin, serving=serving)
 
 
 #: What vLLM 0.25.0 resolved, on an H200 with the settings above (filled from the device).
