@@ -129,7 +129,7 @@ def serve_command(
         settings = settings.model_copy(update={"insecure_dev": True})
     engine = make_engine(settings, pool_size=1)
     try:
-        enforce(settings, engine, "api")
+        enforce(settings, engine, "api")  # `ledger check serve`
     finally:
         engine.dispose()
     if database_url:

@@ -11,6 +11,7 @@ import typer
 
 from ledger.cli import admin as admin_cli
 from ledger.cli import capture as capture_cli
+from ledger.cli import check as check_cli
 from ledger.cli import demo as demo_cli
 from ledger.cli import engine as engine_cli
 from ledger.cli import log as log_cli
@@ -33,6 +34,7 @@ log_cli.register(app)
 replay_cli.register(app)
 witness_cli.register(app)
 trust_cli.register(app)
+check_cli.register(app)
 
 
 def main() -> None:  # pragma: no cover - console script shim
