@@ -302,7 +302,7 @@ class ReplayWorker:
         worker key), one line per problem naming the setting."""
         from ledger.services.checks import worker_job_problems
 
-        lines = [p.line() for p in worker_job_problems(self.settings, self.db, self.trust)]
+        lines = [p.line() for p in worker_job_problems(self.settings, self.db)]
         with self.db.connect() as conn:
             key = conn.execute(select(SigningKey.purpose, SigningKey.status).where(
                 SigningKey.keyid == self.signer.keyid)).first()

@@ -82,11 +82,11 @@ def enforce(settings: Settings, engine: Engine, component: str, *,
     if settings.insecure_dev:
         let_through = [p.line() for p in problems if p.kind == "insecure"]
         print(insecure_dev_warning(let_through), file=sys.stderr, flush=True)
-    for p in problems:
-        if p not in refused and p.kind != "insecure":
-            print(f"ledger {command}: warning: {p.line()}", file=sys.stderr, flush=True)
-    if refused:
+    if refused:  # only what stops it, one line each
         for p in refused:
             print(f"ledger {command}: refusing to start: {p.line()}", file=sys.stderr,
                   flush=True)
         raise SystemExit(2)
+    for p in problems:
+        if p.kind in ("advice", "transient"):
+            print(f"ledger {command}: warning: {p.line()}", file=sys.stderr, flush=True)

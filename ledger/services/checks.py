@@ -90,11 +90,10 @@ def settings_problems(settings: Settings, component: str, *,
             problems.append(_p("worker_key_file", "is not set: set it (or pass --key) to this "
                                "worker's private key", kind="insecure"))
         if settings.trust_policy_file is None:
-            # advice here: the worker itself refuses to start without one (NoTrustPolicy)
             problems.append(_p("trust_policy_file", "is not set: a worker believes only its "
                                "trust policy (`ledger trust init` writes one; "
                                "--insecure-dev trusts the database's own keys)",
-                               kind="advice"))
+                               kind="insecure"))
     elif component == "proxy" and settings.api_key is None:
         problems.append(_p("api_key", "is not set: the proxy delivers envelopes with an "
                            "ingester API key"))
@@ -166,6 +165,8 @@ def database_problems(settings: Settings, engine: Engine, component: str, *,
             return problems
     problems += _registered_problems(settings, engine, component, worker_key, register_key)
     problems += _log_name_problems(settings, engine)
+    if component == "worker" and not problems:
+        problems += _trusted_checkpoint_problems(settings, engine)
     return problems
 
 
@@ -218,26 +219,36 @@ def _log_name_problems(settings: Settings, engine: Engine) -> list[Problem]:
     return []
 
 
-def worker_job_problems(settings: Settings, engine: Engine, trust: Any) -> list[Problem]:
+def worker_job_problems(settings: Settings, engine: Engine) -> list[Problem]:
     """What a worker re-checks before it claims a job: a failure here is the worker's
-    configuration, not the record's, so the job is handed back instead of judged."""
-    problems = _log_name_problems(settings, engine)
-    if problems or trust is None:
-        return problems
+    configuration, not the record's, so the job is handed back instead of judged.
+
+    Only the log name: a checkpoint that does not verify under the trust policy's keys
+    looks the same to a worker whether its policy is wrong or an insider re-signed the
+    log, so at job time it is a verdict (``unverifiable``, with the reason); at start-up
+    ``ledger check worker`` refuses on it."""
+    return _log_name_problems(settings, engine)
+
+
+def _trusted_checkpoint_problems(settings: Settings, engine: Engine) -> list[Problem]:
     note = latest_checkpoint_note(engine)
-    if note is None:
+    if note is None or settings.trust_policy_file is None:
         return []
     from ledger.core.errors import LedgerError
     from ledger.core.note import open_checkpoint
+    from ledger.core.trust import load_trust_policy
     from ledger.log.signer import trusted_log_verifiers
 
     try:
+        trust = load_trust_policy(settings.trust_policy_file)
         open_checkpoint(note, trusted_log_verifiers(trust, settings.log_name),
                         origin=settings.log_name)
-    except LedgerError as exc:
+    except (LedgerError, OSError) as exc:
+        message = exc.message if isinstance(exc, LedgerError) else str(exc)
         return [_p("trust_policy_file", f"the log's latest checkpoint does not verify under "
-                   f"the trust policy's log keys ({exc.message})")]
-    return problems
+                   f"the trust policy's log keys ({message}): check the policy (or the log: "
+                   "`ledger audit --trust`)")]
+    return []
 
 
 # --- brokers and neighbours ------------------------------------------------------------
