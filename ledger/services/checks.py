@@ -161,7 +161,7 @@ def database_problems(settings: Settings, engine: Engine, component: str, *,
         problems += [Problem("LEDGER_DATABASE_URL", line.removeprefix("LEDGER_DATABASE_URL "),
                              kind="insecure")
                      for line in check_runtime_role(engine, role)]
-        if problems:  # what this login may read says nothing about the real one
+        if problems and not settings.insecure_dev:  # this login is not the real one
             return problems
     problems += _registered_problems(settings, engine, component, worker_key, register_key)
     problems += _log_name_problems(settings, engine)
@@ -306,3 +306,28 @@ def refusals(problems: list[Problem], *, insecure_dev: bool) -> list[Problem]:
     """The problems a start-up refuses on."""
     return [p for p in problems
             if p.kind == "config" or (p.kind == "insecure" and not insecure_dev)]
+
+
+@dataclass(frozen=True)
+class Readiness:
+    failing: list[Problem]
+    warnings: list[Problem]
+    code: str | None  # of the first failing check, for /readyz's problem+json
+
+    def as_json(self, problems: list[Problem]) -> list[dict[str, str]]:
+        return [{"setting": p.setting, "problem": p.message, "kind": p.kind} for p in problems]
+
+
+def readiness(settings: Settings, engine: Engine) -> Readiness:
+    """What ``/readyz`` reports: every failing ``ledger check serve`` check (the broker
+    is left out: a dispute is accepted while it is down and delivered later)."""
+    problems = check(settings, "serve", engine=engine, broker=False)
+    failing = [p for p in problems if p.kind != "advice" and p.counts(settings.insecure_dev)]
+    warnings = [p for p in problems if p not in failing]
+    code = None
+    if failing:
+        first = failing[0].message
+        code = ("database_unreachable" if "unreachable" in first and
+                failing[0].setting == "LEDGER_DATABASE_URL" else
+                "migrations_pending" if "ledger db upgrade" in first else "misconfigured")
+    return Readiness(failing, warnings, code)
