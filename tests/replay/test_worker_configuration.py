@@ -128,3 +128,28 @@ def test_fingerprint_command_prints_what_a_started_worker_prints(stack: Stack,
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_awaiting_reason_names_the_command_and_is_refreshed_when_a_worker_registers(
+        stack: Stack) -> None:
+    from ledger.db.models import Dispute
+    from ledger.replay import jobs as job_service
+    from workers.engine import load_engine
+    from workers.replay import ReplayWorker
+
+    bf16 = load_engine("tiny-demo", dtype="bfloat16")
+    recs = record(bf16, stack.producer, 1, seed=5)
+    ingest_all(stack, [r.envelope for r in recs])
+    dispute_id, _ = open_dispute(stack, recs[0].request_id)
+    with session_scope(stack.db) as s:
+        d = s.get(Dispute, uuid.UUID(dispute_id))
+        assert d is not None and d.state == "awaiting_worker"
+        assert "`ledger fingerprint --dtype bfloat16`" in (d.state_reason or "")
+        assert "`ledger worker --models DIR --dtype bfloat16`" in (d.state_reason or "")
+    worker = ReplayWorker(stack.settings, stack.db, models=["tiny-demo"], dtype="bfloat16",
+                          signer=stack.worker_signer)
+    worker.register()
+    job_service.sweep(stack.db, None, stack.settings, stack.service)  # one `ledger beat` tick
+    with session_scope(stack.db) as s:
+        d = s.get(Dispute, uuid.UUID(dispute_id))
+        assert d is not None and d.state == "queued" and d.state_reason is None
