@@ -116,9 +116,11 @@ class Prepared:
     checkpoint: dict[str, Any] = field(default_factory=dict)
 
 
-def hold_models(models: Sequence[str | Path]) -> dict[str, HeldModel]:
+def hold_models(models: Sequence[str | Path],
+                progress: Any = None) -> dict[str, HeldModel]:
     """Hash every model the worker holds: a directory of model directories, model
-    directories, or the name ``tiny-demo``."""
+    directories, or the name ``tiny-demo``. ``progress(name, total_bytes)`` returns a
+    callback advanced by the bytes hashed (a progress bar), or None."""
     from workers.engine.reference import TINY_DEMO_NAME, resolve_model_dir
 
     held: dict[str, HeldModel] = {}
@@ -132,7 +134,12 @@ def hold_models(models: Sequence[str | Path]) -> dict[str, HeldModel]:
             paths = [(p.name, p) for p in sorted(Path(spec).iterdir())
                      if (p / "config.json").is_file()]
         for name, path in paths:
-            digest = model_sha256(path)
+            if progress is not None:
+                from ledger.artifacts import total_bytes
+
+                digest = model_sha256(path, progress(name, total_bytes(path)))
+            else:
+                digest = model_sha256(path)
             held[digest] = HeldModel(digest, name, str(path))
     return held
 
@@ -141,7 +148,8 @@ class ReplayWorker:
     def __init__(self, settings: Settings, db: Engine, *, models: Sequence[str | Path],
                  engine_name: str = "reference", device: str = "cpu", dtype: str = "float32",
                  max_batch: int = 32, signer: Signer, trust: TrustPolicy | None = None,
-                 insecure_dev: bool = False, threads: int | None = 1) -> None:
+                 insecure_dev: bool = False, threads: int | None = 1,
+                 hashing_progress: Any = None) -> None:
         # first, before any model is loaded: no trust policy, no worker
         self.trust = worker_trust(settings, trust, insecure_dev=insecure_dev)
         if self.trust is None:
@@ -155,7 +163,7 @@ class ReplayWorker:
         self.max_batch = max_batch
         self.threads = threads
         self.signer = signer
-        self.models = hold_models(models)
+        self.models = hold_models(models, hashing_progress)
         if not self.models:
             raise ValueError(f"no model directories found in {list(models)}")
         self._engines: dict[str, Any] = {}

@@ -53,13 +53,30 @@ def worker_command(
         enforce(settings, check_engine, "worker", worker_key=key, register_key=register_key)
     finally:
         check_engine.dispose()
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TransferSpeedColumn,
+    )
+
     from workers.celery_worker import build_worker, serve
     from workers.replay import NoTrustPolicy, SelfCheckFailed
 
+    bars = Progress(TextColumn("hashing {task.description}"), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), console=console, transient=True)
+
+    def hashing(name: str, total: int) -> Any:
+        task = bars.add_task(name, total=total)
+        return lambda n: bars.advance(task, n)
+
     try:
-        worker = build_worker(settings, models=models, engine_name=engine, device=device,
-                              dtype=dtype, max_batch=max_batch, key_file=key, threads=threads,
-                              register_key=register_key, insecure_dev=insecure_dev)
+        with bars:
+            worker = build_worker(settings, models=models, engine_name=engine, device=device,
+                                  dtype=dtype, max_batch=max_batch, key_file=key,
+                                  threads=threads, register_key=register_key,
+                                  insecure_dev=insecure_dev, hashing_progress=hashing)
     except NoTrustPolicy as exc:
         typer.echo(str(exc), err=True)  # one line, unwrapped
         raise typer.Exit(2) from None
