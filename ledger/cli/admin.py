@@ -344,8 +344,8 @@ def apikey_revoke(key_id: Annotated[str, typer.Argument(help="The key's id (`led
                   database_url: Optional[str] = DatabaseUrlOption) -> None:  # noqa: UP045
     """Revoke an API key: it is refused from now on (a signed registry leaf and an audit
     event record who did it)."""
-    from ledger.core.errors import NotFound
     from ledger.db.session import make_engine, session_scope
+    from ledger.errors import NotFound
     from ledger.services import audit
     from ledger.services.apikeys import Principal, revoke_api_key
 

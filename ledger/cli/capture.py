@@ -19,9 +19,11 @@ from ledger.settings import get_settings
 TINY_DEMO = "tiny-demo"
 
 
-def _fail(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {message}")
-    return typer.Exit(code=2)
+def _fail(message: str, hint: str = "check the arguments (`--help`) and docs/capture.md"
+          ) -> typer.Exit:
+    from ledger.cli.common import fail
+
+    return fail(message, hint)
 
 
 def proxy_command(

@@ -31,9 +31,11 @@ TINY_DEMO = "tiny-demo"
 err = Console(stderr=True)
 
 
-def _fail(message: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {message}")
-    return typer.Exit(code=2)
+def _fail(message: str, hint: str = "check the arguments (`--help`) and docs/engine.md"
+          ) -> typer.Exit:
+    from ledger.cli.common import fail
+
+    return fail(message, hint)
 
 
 def read_requests(path: Path) -> list[GenerationRequest]:

@@ -87,7 +87,7 @@ def run(argv: list[str] | None = None) -> int:
 
     err = sys.stderr
     try:
-        code = app(args=argv, standalone_mode=False)
+        code = app(args=argv, prog_name="ledger", standalone_mode=False)
     except click.NoArgsIsHelpError as exc:
         exc.show()
         return 2
@@ -98,7 +98,7 @@ def run(argv: list[str] | None = None) -> int:
     except click.ClickException as exc:
         print(f"error: {exc.format_message()}", file=err)
         return exc.exit_code
-    except click.Abort:
+    except typer.Abort:
         print("aborted", file=err)
         return 130
     except SystemExit as exc:
