@@ -199,9 +199,12 @@ def keys_register(
 
     try:
         raw = _public_from_file(key_file)
-    except (LedgerError, OSError, UnicodeDecodeError) as exc:
-        reason = exc.code if isinstance(exc, LedgerError) else "unreadable"
-        raise fail(f"refused: {reason}: {exc}", "pass a public key (PEM or base64) or a "
+    except LedgerError as exc:  # a key the ledger refuses (small order, not canonical)
+        console.print(f"refused: {exc.code}: {exc}", style="red", markup=False,
+                      highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise fail(f"unreadable key file: {exc}", "pass a public key (PEM or base64) or a "
                    "private key PEM, e.g. from `ledger keys generate`") from None
     settings = settings_with(database_url)
     if via_api:
