@@ -202,7 +202,7 @@ class MetricsListener:
         from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
         from prometheus_client import multiprocess as prom_multiprocess
 
-        registry = REGISTRY
+        registry: Any = REGISTRY
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by `ledger serve --workers N`
             registry = CollectorRegistry()
             prom_multiprocess.MultiProcessCollector(registry)

@@ -51,9 +51,9 @@ def _alert_for(run: ReverificationRun, report: dict[str, Any],
                                **report["gate"], "counts": report["counts"],
                                "summary": report["summary"],
                                "model_sha256": run.details.get("model_sha256")}
-    threshold = policy.drift_alert_threshold if policy is not None else None
-    if threshold is None:
+    if policy is None or policy.drift_alert_threshold is None:
         return None
+    threshold = policy.drift_alert_threshold
     over = [g for g in report["drift"]
             if g["drift_rate"] is not None and g["drift_rate"] > threshold]
     if not over:
