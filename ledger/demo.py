@@ -287,6 +287,7 @@ def _record(stack: _Stack, rng: random.Random) -> tuple[list[Any], list[tuple[st
     compromised gateway altered and re-signed: the envelopes, and the three cases to
     dispute as (request_id, label)."""
     from ledger.artifacts import artifact_hashes
+    from ledger.console.demo import readable_demo_artifacts
     from ledger.core.envelope import output_digest
     from ledger.producer import sign_statement
     from workers.engine import load_engine
@@ -295,7 +296,8 @@ def _record(stack: _Stack, rng: random.Random) -> tuple[list[Any], list[tuple[st
     stamp = time.strftime("%H%M%S")
     keys = stack.keys
     engine = load_engine("tiny-demo")  # fp32, batch invariant, 1 CPU thread
-    artifacts = artifact_hashes(TINY_DEMO_DIR, model_name="tiny-demo")
+    artifacts = readable_demo_artifacts(  # the console shows the records as text
+        stack.db, artifact_hashes(TINY_DEMO_DIR, model_name="tiny-demo"))
     recorded = record_requests(engine, keys["gateway"], engine.runtime(), artifacts,
                                f"demo-{stamp}", RECORDED, rng)
     bf16 = load_engine("tiny-demo", dtype="bfloat16")

@@ -3,7 +3,7 @@
 the API pause, resume and delete policies and the beat record alerts.
 
 Revision ID: 0009_policy_ops
-Revises: 0008_component_roles
+Revises: 0011_console
 Create Date: 2026-12-01
 """
 
@@ -16,7 +16,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from ledger.db.grants import GRANTS, OPTIONAL_TABLES, ROLES, grant_statements, serial_grant
 
 revision = "0009_policy_ops"
-down_revision = "0008_component_roles"
+down_revision = "0011_console"
 branch_labels = None
 depends_on = None
 
