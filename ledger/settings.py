@@ -207,6 +207,7 @@ USED_BY: dict[str, tuple[str, ...]] = {
                          "integrate", "check"),
     "worker_key_file": ("worker", "check worker"),
     "worker_heartbeat_s": ("worker",),
+    "vllm_engine_args": ("worker --engine vllm",),
     "worker_dead_after_s": ("serve", "beat"),
     "replay_max_attempts": ("serve", "beat"),
     "replay_visibility_timeout_s": ("serve", "beat", "worker"),
