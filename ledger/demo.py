@@ -51,14 +51,43 @@ PROMPTS = [
 ]
 
 
+ROLES = ("ingester", "reviewer", "auditor", "admin")
+RECORDED = 24      # fp32 requests on the worker's runtime
+RECORDED_BF16 = 2  # bf16 requests: a runtime no worker has
+ALTERED_AT = 4     # the token a compromised gateway changes in one record
+
+
 @dataclass
 class DemoResult:
     api_url: str
+    db_url: str = ""
+    api_keys: dict[str, str] = field(default_factory=dict)
+    envelopes: int = 0
     rows: list[dict[str, Any]] = field(default_factory=list)
     audit_ok: bool = False
     bundle: Path | None = None
     verify_ok: bool = False
     seconds: float = 0.0
+
+    @property
+    def console_url(self) -> str:
+        return f"{self.api_url}/console"
+
+
+@dataclass
+class _Stack:
+    """What one demo run has started (closed in reverse order by :func:`_stop`)."""
+
+    settings: Any
+    db: Any
+    keys: dict[str, Any]
+    trust: Any
+    api_keys: dict[str, str]
+    worker: Any = None
+    publisher: Any = None
+    server: Any = None
+    thread: threading.Thread | None = None
+    api_url: str = ""
 
 
 def _free_port(preferred: int) -> int:
@@ -136,30 +165,11 @@ def record_requests(engine: Any, producer: Any, runtime: dict[str, Any],
 
 def run_demo(data_dir: Path, *, keep_running: bool = False, port: int = 8000,
              console: Console | None = None) -> DemoResult:
-    import uvicorn
-
-    from ledger.api.app import create_app
-    from ledger.artifacts import artifact_hashes
-    from ledger.console.demo import readable_demo_artifacts
-    from ledger.core.envelope import output_digest
-    from ledger.db.session import make_engine, session_scope, upgrade
-    from ledger.producer import envelope_to_json, sign_statement
-    from ledger.replay.broker import InProcessPublisher
-    from ledger.replay.records import Signer
-    from ledger.services.apikeys import create_api_key
-    from ledger.services.keys import register_key
-    from ledger.settings import Settings
-    from workers.engine import load_engine
-    from workers.engine.reference import TINY_DEMO_DIR
-    from workers.replay import ReplayWorker
-
     console = console or Console()
     started = time.perf_counter()
     data_dir = data_dir.resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
-    keys_dir = data_dir / "keys"
     rng = random.Random(2026)  # noqa: S311 - batch composition for a demo, not a secret
-    stamp = time.strftime("%H%M%S")
     progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                         TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
                         console=console, transient=True)
@@ -168,193 +178,263 @@ def run_demo(data_dir: Path, *, keep_running: bool = False, port: int = 8000,
     shutil.rmtree(data_dir / "checkpoints", ignore_errors=True)
     with embedded_database(data_dir, console) as db_url, progress:
         step = progress.add_task("setting up", total=5)
-        upgrade(db_url)
+        stack = _set_up(data_dir, db_url, console)
         progress.advance(step)
-        paths = {name: keys_dir / f"{name}.pem" for name in
-                 ("log", "service", "worker", "gateway", "gateway-bf16")}
-        keys = {name: _key(p) for name, p in paths.items()}
-        from ledger.core.trust import format_trust_policy, parse_trust_policy
-        from ledger.log.signer import LogSigner
-
-        policy_text = format_trust_policy(LOG_NAME, [public_raw(keys["log"])],
-                                          [public_raw(keys["service"])])
-        (data_dir / "trust.toml").write_text(policy_text)
-        trust = parse_trust_policy(policy_text)
-        settings = Settings(database_url=db_url, log_name=LOG_NAME,
-                            log_key_file=paths["log"], service_key_file=paths["service"],
-                            worker_key_file=paths["worker"], integrate_interval_ms=50,
-                            checkpoint_sink_dir=data_dir / "checkpoints",
-                            worker_dead_after_s=30, data_dir=data_dir, insecure_dev=True,
-                            trust_policy_file=data_dir / "trust.toml")
-        console.print("[yellow]insecure dev mode: the demo runs as the embedded database's "
-                      "superuser with an empty API-key pepper (never in production)[/yellow]")
-        db = make_engine(settings, pool_size=4)
-        service = Signer(keys["service"], "ledger", "ledger-service")
-        with session_scope(db) as s:
-            service.ensure_registered(s)  # a registry leaf signed by itself
-            LogSigner(LOG_NAME, keys["log"]).ensure_registered(s, service)
-            for name, purpose in (("gateway", "producer"), ("gateway-bf16", "producer"),
-                                  ("worker", "worker")):
-                register_key(s, public_key=public_raw(keys[name]), purpose=purpose,
-                             name=f"demo-{name}", signer=service, actor="demo")
-            api_keys = {role: create_api_key(s, name=f"demo-{role}", role=role,
-                                             pepper="", created_by="demo", signer=service)[1]
-                        for role in ("ingester", "reviewer", "auditor", "admin")}
+        _start_worker(stack)
         progress.advance(step)
-
-        engine = load_engine("tiny-demo")  # fp32, batch invariant, 1 CPU thread
-        worker = ReplayWorker(settings, db, models=["tiny-demo"],
-                              signer=Signer(keys["worker"], "worker", "demo-worker"))
-        worker.self_check()
-        worker.register()
-        worker.start_heartbeat()
-        publisher = InProcessPublisher(worker.run_job, {worker.fingerprint_id})
+        _start_api(stack, port)
         progress.advance(step)
-
-        port = _free_port(port)
-        app = create_app(settings, db, publisher=publisher)
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                               log_level="warning", access_log=False))
-        thread = threading.Thread(target=server.run, name="ledger-api", daemon=True)
-        thread.start()
-        api_url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError("the API did not start")
-            time.sleep(0.05)
-        result = DemoResult(api_url)
-        progress.advance(step)
-
-        def client(role: str) -> httpx.Client:
-            return httpx.Client(base_url=api_url, timeout=60,
-                                headers={"Authorization": f"Bearer {api_keys[role]}"})
-
+        result = DemoResult(stack.api_url, db_url=db_url, api_keys=stack.api_keys)
         try:
-            # --- record, the way a gateway would ---------------------------------
-            artifacts = readable_demo_artifacts(  # the console shows the records as text
-                db, artifact_hashes(TINY_DEMO_DIR, model_name="tiny-demo"))
-            recorded = record_requests(engine, keys["gateway"], engine.runtime(), artifacts,
-                                       f"demo-{stamp}", 24, rng)
-            bf16 = load_engine("tiny-demo", dtype="bfloat16")
-            other = record_requests(bf16, keys["gateway-bf16"], bf16.runtime(), artifacts,
-                                    f"demo-{stamp}-bf16", 2, rng)
-            honest = recorded[3]
-            altered = copy.deepcopy(recorded[5]["statement"])  # a compromised gateway
-            k = 4
-            tokens = altered["predicate"]["output"]["token_ids"]
-            tokens[k] = (tokens[k] + 17) % 256
-            altered_id = f"demo-{stamp}-altered"
-            altered["predicate"]["request_id"] = altered_id
-            altered["subject"] = [{"name": altered_id, "digest": {
-                "sha256": output_digest(tokens)}}]
-            envelopes = [r["envelope"] for r in recorded + other] + [
-                sign_statement(altered, keys["gateway"])]
-            progress.advance(step)
-            ingest = progress.add_task("ingesting signed envelopes", total=len(envelopes))
-            with client("ingester") as c:
-                r = c.post("/v1/envelopes/batch", params={"wait": True, "timeout": 30},
-                           json={"envelopes": [envelope_to_json(e) for e in envelopes]})
-                r.raise_for_status()
-                receipts = sum(1 for x in r.json()["results"] if x.get("receipt"))
-            progress.update(ingest, completed=len(envelopes))
-            console.log(f"{len(envelopes)} envelopes stored; {receipts} receipts "
-                        "(inclusion proof + signed checkpoint)")
-
-            # --- three disputes ---------------------------------------------------
-            cases = [(honest["statement"]["predicate"]["request_id"], "honest record"),
-                     (altered_id, f"altered at token {k} and re-signed"),
-                     (other[0]["statement"]["predicate"]["request_id"],
-                      "bf16 runtime: no worker has it")]
-            disputes = progress.add_task("disputes: replay and verdicts", total=len(cases))
-            opened = []
-            with client("reviewer") as c:
-                for rid, label in cases:
-                    resp = c.post("/v1/disputes", json={"request_id": rid, "reason": label,
-                                                        "priority": "high"})
-                    resp.raise_for_status()
-                    opened.append((resp.json()["id"], rid, label))
-                publisher.wait_idle(120)
-                for did, rid, label in opened:
-                    for _ in range(200):
-                        d = c.get(f"/v1/disputes/{did}").json()
-                        if d["state"] in ("verdict", "awaiting_worker"):
-                            break
-                        time.sleep(0.05)
-                    v = d.get("verdict") or {}
-                    det = v.get("details") or {}
-                    div = det.get("first_divergence") or {}
-                    result.rows.append({
-                        "request": rid, "case": label, "state": d["state"],
-                        "outcome": v.get("outcome") or "-", "tier": v.get("tier") or "-",
-                        "k": div.get("index"),
-                        "tokens": (f"{div.get('expected_token')} -> {div.get('replayed_token')}"
-                                   if div else "-"),
-                        "reason": d.get("state_reason") or "",
-                        "dispute_id": did})
-                    progress.advance(disputes)
-                if result.rows[0]["outcome"] == "reproduced":
-                    c.post(f"/v1/disputes/{opened[0][0]}/resolve",
-                           json={"resolution": "rejected",
-                                 "note": "record reproduced bit for bit"}).raise_for_status()
-                if result.rows[1]["outcome"] == "diverged":
-                    c.post(f"/v1/disputes/{opened[1][0]}/resolve",
-                           json={"resolution": "upheld",
-                                 "note": "the stored output is not what the model produces"}
-                           ).raise_for_status()
-
-            # --- audit, export, offline verify --------------------------------------
-            tail = progress.add_task("audit, export, offline verify", total=3)
-            from ledger.log.audit import audit
-
-            time.sleep(0.3)  # let the integrator fold the last events in
-            report = audit(db, LOG_NAME, against=_saved(data_dir / "checkpoints"),
-                           signatures=True)
-            result.audit_ok = report.ok
-            progress.advance(tail)
-            result.bundle = data_dir / "bundle.jsonl"
-            rids = [row["request"] for row in result.rows]
-            with client("auditor") as c, result.bundle.open("wb") as fh, c.stream(
-                    "GET", "/v1/export", params={"request_id": rids}) as resp:
-                resp.raise_for_status()
-                for chunk in resp.iter_bytes():
-                    fh.write(chunk)
-            progress.advance(tail)
-            from ledger.core.bundle import verify_bundle
-
-            summary = verify_bundle(result.bundle.read_bytes(), trust=trust)
-            result.verify_ok = summary.records > 0
-            progress.advance(tail)
-            console.log(f"audit: {report.entries} entries, {report.checkpoints} checkpoints, "
-                        f"{report.signatures_checked} signatures: "
-                        f"{'OK' if report.ok else 'FAILED'}")
-            console.log(f"bundle {result.bundle}: {summary.records} records "
-                        f"({', '.join(f'{v} {k}' for k, v in sorted(summary.by_kind.items()))})"
-                        f" verified offline against the trust policy {data_dir / 'trust.toml'}")
+            envelopes, cases = _record(stack, rng)
+            progress.advance(step, 2)
+            result.envelopes = len(envelopes)
+            _ingest(stack, envelopes, progress, console)
+            result.rows = _disputes(stack, cases, progress)
+            _audit_export_verify(stack, result, data_dir, progress, console)
             result.seconds = time.perf_counter() - started
-            _print_summary(console, result, api_keys)
+            _print_summary(console, result, data_dir)
             if keep_running:
-                console.print(Panel(f"API at {api_url} (docs: {api_url}/docs). "
-                                    "Ctrl-C to stop.", title="--keep-running"))
-                try:
-                    while thread.is_alive():
-                        time.sleep(0.5)
-                except KeyboardInterrupt:
-                    pass
+                _wait(stack, result, console)
         finally:
-            server.should_exit = True
-            thread.join(10)
-            worker.stop()
-            publisher.close()
-            db.dispose()
+            _stop(stack)
     return result
+
+
+def _set_up(data_dir: Path, db_url: str, console: Console) -> _Stack:
+    """Migrate, make (or reuse) the keys, write the trust policy, register every key as a
+    registry leaf and create one API key per role."""
+    from ledger.core.trust import format_trust_policy, parse_trust_policy
+    from ledger.db.session import make_engine, session_scope, upgrade
+    from ledger.log.signer import LogSigner
+    from ledger.replay.records import Signer
+    from ledger.services.apikeys import create_api_key
+    from ledger.services.keys import register_key
+    from ledger.settings import Settings
+
+    upgrade(db_url)
+    keys_dir = data_dir / "keys"
+    paths = {name: keys_dir / f"{name}.pem" for name in
+             ("log", "service", "worker", "gateway", "gateway-bf16")}
+    keys = {name: _key(p) for name, p in paths.items()}
+    policy_text = format_trust_policy(LOG_NAME, [public_raw(keys["log"])],
+                                      [public_raw(keys["service"])])
+    (data_dir / "trust.toml").write_text(policy_text)
+    settings = Settings(database_url=db_url, log_name=LOG_NAME,
+                        log_key_file=paths["log"], service_key_file=paths["service"],
+                        worker_key_file=paths["worker"], integrate_interval_ms=50,
+                        checkpoint_sink_dir=data_dir / "checkpoints",
+                        worker_dead_after_s=30, data_dir=data_dir, insecure_dev=True,
+                        trust_policy_file=data_dir / "trust.toml")
+    console.print("[yellow]insecure dev mode: the demo runs as the embedded database's "
+                  "superuser with an empty API-key pepper (never in production)[/yellow]")
+    db = make_engine(settings, pool_size=4)
+    service = Signer(keys["service"], "ledger", "ledger-service")
+    with session_scope(db) as s:
+        service.ensure_registered(s)  # a registry leaf signed by itself
+        LogSigner(LOG_NAME, keys["log"]).ensure_registered(s, service)
+        for name, purpose in (("gateway", "producer"), ("gateway-bf16", "producer"),
+                              ("worker", "worker")):
+            register_key(s, public_key=public_raw(keys[name]), purpose=purpose,
+                         name=f"demo-{name}", signer=service, actor="demo")
+        api_keys = {role: create_api_key(s, name=f"demo-{role}", role=role,
+                                         pepper="", created_by="demo", signer=service)[1]
+                    for role in ROLES}
+    return _Stack(settings, db, keys, parse_trust_policy(policy_text), api_keys)
+
+
+def _start_worker(stack: _Stack) -> None:
+    """The replay worker, in-process (no Redis): jobs go straight to it."""
+    from ledger.replay.broker import InProcessPublisher
+    from ledger.replay.records import Signer
+    from workers.replay import ReplayWorker
+
+    worker = ReplayWorker(stack.settings, stack.db, models=["tiny-demo"],
+                          signer=Signer(stack.keys["worker"], "worker", "demo-worker"))
+    worker.self_check()
+    worker.register()
+    worker.start_heartbeat()
+    stack.worker = worker
+    stack.publisher = InProcessPublisher(worker.run_job, {worker.fingerprint_id})
+
+
+def _start_api(stack: _Stack, port: int) -> None:
+    import uvicorn
+
+    from ledger.api.app import create_app
+
+    port = _free_port(port)
+    app = create_app(stack.settings, stack.db, publisher=stack.publisher)
+    stack.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                                 log_level="warning", access_log=False))
+    stack.thread = threading.Thread(target=stack.server.run, name="ledger-api", daemon=True)
+    stack.thread.start()
+    stack.api_url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while not stack.server.started:
+        if time.monotonic() > deadline or not stack.thread.is_alive():
+            raise RuntimeError("the API did not start")
+        time.sleep(0.05)
+
+
+def _client(stack: _Stack, role: str) -> httpx.Client:
+    return httpx.Client(base_url=stack.api_url, timeout=60,
+                        headers={"Authorization": f"Bearer {stack.api_keys[role]}"})
+
+
+def _record(stack: _Stack, rng: random.Random) -> tuple[list[Any], list[tuple[str, str]]]:
+    """Record RECORDED + RECORDED_BF16 requests the way a gateway would, plus one record a
+    compromised gateway altered and re-signed: the envelopes, and the three cases to
+    dispute as (request_id, label)."""
+    from ledger.artifacts import artifact_hashes
+    from ledger.console.demo import readable_demo_artifacts
+    from ledger.core.envelope import output_digest
+    from ledger.producer import sign_statement
+    from workers.engine import load_engine
+    from workers.engine.reference import TINY_DEMO_DIR
+
+    stamp = time.strftime("%H%M%S")
+    keys = stack.keys
+    engine = load_engine("tiny-demo")  # fp32, batch invariant, 1 CPU thread
+    artifacts = readable_demo_artifacts(  # the console shows the records as text
+        stack.db, artifact_hashes(TINY_DEMO_DIR, model_name="tiny-demo"))
+    recorded = record_requests(engine, keys["gateway"], engine.runtime(), artifacts,
+                               f"demo-{stamp}", RECORDED, rng)
+    bf16 = load_engine("tiny-demo", dtype="bfloat16")
+    other = record_requests(bf16, keys["gateway-bf16"], bf16.runtime(), artifacts,
+                            f"demo-{stamp}-bf16", RECORDED_BF16, rng)
+    honest = recorded[3]
+    altered = copy.deepcopy(recorded[5]["statement"])  # a compromised gateway
+    k = ALTERED_AT
+    tokens = altered["predicate"]["output"]["token_ids"]
+    tokens[k] = (tokens[k] + 17) % 256
+    altered_id = f"demo-{stamp}-altered"
+    altered["predicate"]["request_id"] = altered_id
+    altered["subject"] = [{"name": altered_id, "digest": {"sha256": output_digest(tokens)}}]
+    envelopes = [r["envelope"] for r in recorded + other] + [
+        sign_statement(altered, keys["gateway"])]
+    cases = [(honest["statement"]["predicate"]["request_id"], "honest record"),
+             (altered_id, f"altered at token {k} and re-signed"),
+             (other[0]["statement"]["predicate"]["request_id"],
+              "bf16 runtime: no worker has it")]
+    return envelopes, cases
+
+
+def _ingest(stack: _Stack, envelopes: list[Any], progress: Progress,
+            console: Console) -> None:
+    from ledger.producer import envelope_to_json
+
+    ingest = progress.add_task("ingesting signed envelopes", total=len(envelopes))
+    with _client(stack, "ingester") as c:
+        r = c.post("/v1/envelopes/batch", params={"wait": True, "timeout": 30},
+                   json={"envelopes": [envelope_to_json(e) for e in envelopes]})
+        r.raise_for_status()
+        receipts = sum(1 for x in r.json()["results"] if x.get("receipt"))
+    progress.update(ingest, completed=len(envelopes))
+    console.log(f"{len(envelopes)} envelopes stored ({RECORDED + RECORDED_BF16} recorded "
+                f"requests and 1 altered copy); {receipts} receipts (inclusion proof + "
+                "signed checkpoint)")
+
+
+def _disputes(stack: _Stack, cases: list[tuple[str, str]],
+              progress: Progress) -> list[dict[str, Any]]:
+    """Open a dispute per case, wait for its verdict (or awaiting_worker), resolve the two
+    that have verdicts."""
+    rows: list[dict[str, Any]] = []
+    task = progress.add_task("disputes: replay and verdicts", total=len(cases))
+    opened = []
+    with _client(stack, "reviewer") as c:
+        for rid, label in cases:
+            resp = c.post("/v1/disputes", json={"request_id": rid, "reason": label,
+                                                "priority": "high"})
+            resp.raise_for_status()
+            opened.append((resp.json()["id"], rid, label))
+        stack.publisher.wait_idle(120)
+        for did, rid, label in opened:
+            for _ in range(200):
+                d = c.get(f"/v1/disputes/{did}").json()
+                if d["state"] in ("verdict", "awaiting_worker"):
+                    break
+                time.sleep(0.05)
+            v = d.get("verdict") or {}
+            det = v.get("details") or {}
+            div = det.get("first_divergence") or {}
+            rows.append({
+                "request": rid, "case": label, "state": d["state"],
+                "outcome": v.get("outcome") or "-", "tier": v.get("tier") or "-",
+                "k": div.get("index"),
+                "tokens": (f"{div.get('expected_token')} -> {div.get('replayed_token')}"
+                           if div else "-"),
+                "reason": d.get("state_reason") or "", "dispute_id": did})
+            progress.advance(task)
+        if rows[0]["outcome"] == "reproduced":
+            c.post(f"/v1/disputes/{opened[0][0]}/resolve",
+                   json={"resolution": "rejected",
+                         "note": "record reproduced bit for bit"}).raise_for_status()
+        if rows[1]["outcome"] == "diverged":
+            c.post(f"/v1/disputes/{opened[1][0]}/resolve",
+                   json={"resolution": "upheld",
+                         "note": "the stored output is not what the model produces"}
+                   ).raise_for_status()
+    return rows
+
+
+def _audit_export_verify(stack: _Stack, result: DemoResult, data_dir: Path,
+                         progress: Progress, console: Console) -> None:
+    from ledger.core.bundle import verify_bundle
+    from ledger.log.audit import audit
+
+    tail = progress.add_task("audit, export, offline verify", total=3)
+    time.sleep(0.3)  # let the integrator fold the last events in
+    report = audit(stack.db, LOG_NAME, against=_saved(data_dir / "checkpoints"),
+                   signatures=True)
+    result.audit_ok = report.ok
+    progress.advance(tail)
+    result.bundle = data_dir / "bundle.jsonl"
+    rids = [row["request"] for row in result.rows]
+    with _client(stack, "auditor") as c, result.bundle.open("wb") as fh, c.stream(
+            "GET", "/v1/export", params={"request_id": rids}) as resp:
+        resp.raise_for_status()
+        for chunk in resp.iter_bytes():
+            fh.write(chunk)
+    progress.advance(tail)
+    summary = verify_bundle(result.bundle.read_bytes(), trust=stack.trust)
+    result.verify_ok = summary.records > 0
+    progress.advance(tail)
+    console.log(f"audit: {report.entries} entries, {report.checkpoints} checkpoints, "
+                f"{report.signatures_checked} signatures: {'OK' if report.ok else 'FAILED'}")
+    console.log(f"bundle {result.bundle}: {summary.records} records "
+                f"({', '.join(f'{v} {k}' for k, v in sorted(summary.by_kind.items()))})"
+                f" verified offline against the trust policy {data_dir / 'trust.toml'}")
+
+
+def _wait(stack: _Stack, result: DemoResult, console: Console) -> None:
+    console.print(Panel(f"API at {result.api_url} (docs: {result.api_url}/docs), console "
+                        f"{result.console_url}. Ctrl-C to stop.", title="--keep-running"))
+    try:
+        while stack.thread is not None and stack.thread.is_alive():
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+
+
+def _stop(stack: _Stack) -> None:
+    if stack.server is not None:
+        stack.server.should_exit = True
+    if stack.thread is not None:
+        stack.thread.join(10)
+    if stack.worker is not None:
+        stack.worker.stop()
+    if stack.publisher is not None:
+        stack.publisher.close()
+    stack.db.dispose()
 
 
 def _saved(directory: Path) -> list[tuple[str, bytes]]:
     return [(str(p), p.read_bytes()) for p in sorted(directory.glob("checkpoint.*"))]
 
 
-def _print_summary(console: Console, result: DemoResult, api_keys: dict[str, str]) -> None:
+def _print_summary(console: Console, result: DemoResult, data_dir: Path) -> None:
     table = Table(title="Verdicts")
     for col in ("case", "dispute", "outcome", "tier", "k", "expected -> replayed"):
         table.add_column(col, overflow="fold")
@@ -364,20 +444,36 @@ def _print_summary(console: Console, result: DemoResult, api_keys: dict[str, str
     console.print(table)
     for row in result.rows:
         console.print(f"  {row['state']:<16} {row['request']}"
-                      + (f"  ({row['reason']})" if row["state"] == "awaiting_worker" else ""))
+                      + (f"  ({row['reason']})" if row["state"] == "awaiting_worker" else ""),
+                      soft_wrap=True)
     ok = "[green]OK[/green]"
     bad = "[red]FAILED[/red]"
     console.print(f"audit {ok if result.audit_ok else bad}   offline verify "
                   f"{ok if result.verify_ok else bad}   {result.seconds:.1f} s")
+    # plain lines, not a panel: URLs and keys are copied (and read by scripts) whole
+    console.rule("this run (reset by the next one)")
+    lines = [f"API:              {result.api_url}  (OpenAPI {result.api_url}/openapi.json, "
+             "docs /docs)",
+             f"console:          {result.console_url}",
+             f"database:         LEDGER_DATABASE_URL={result.db_url}"]
+    lines += [f"{role + ' API key:':<18}{result.api_keys[role]}"
+              for role in ROLES if role in result.api_keys]
+    for line in lines:
+        console.print(line, soft_wrap=True, markup=False, highlight=False)
     console.print(Panel(
-        f"API {result.api_url}  (OpenAPI {result.api_url}/openapi.json, docs /docs)\n"
-        f"reviewer API key for this run: {api_keys['reviewer']}\n"
         "explore: ledger demo --keep-running\n"
-        "your own stack: export LEDGER_DATABASE_URL=postgresql+psycopg://USER@HOST/ledger\n"
-        "                export LEDGER_BROKER_URL=redis://HOST:6379/0\n"
-        "                ledger db upgrade; ledger serve; ledger beat\n"
-        "GPU nodes:      ledger fingerprint; ledger worker --models DIR --device cuda\n"
-        "record vLLM:    ledger proxy --upstream http://VLLM:8000  (docs/capture.md)",
+        "your own stack (docs/settings.md lists every setting; `ledger check serve|beat|"
+        "worker` says what is missing):\n"
+        "  export LEDGER_DATABASE_URL=postgresql+psycopg://USER@HOST/ledger\n"
+        "  export LEDGER_BROKER_URL=redis://HOST:6379/0 LEDGER_LOG_NAME=YOUR.HOST/log\n"
+        "  export LEDGER_API_KEY_PEPPER=$(openssl rand -hex 32)\n"
+        "  ledger keys generate --out log.pem; ledger keys generate --out service.pem\n"
+        "  export LEDGER_LOG_KEY_FILE=log.pem LEDGER_SERVICE_KEY_FILE=service.pem\n"
+        "  ledger db upgrade; ledger trust init --out trust.toml; ledger check serve\n"
+        "  ledger serve; ledger beat\n"
+        f"GPU nodes: ledger fingerprint; ledger worker --models DIR --device cuda "
+        f"(trust policy as {data_dir / 'trust.toml'})\n"
+        "record vLLM: ledger proxy --upstream http://VLLM:8000  (docs/capture.md)",
         title="where to look next"))
 
 

@@ -29,8 +29,11 @@ class Settings(BaseSettings):
         description="If set, every connection runs SET ROLE to this role (e.g. ledger_app), "
         "so the API works with only the grants that role has.",
     )
-    db_pool_size: int = 10
-    broker_url: str = "redis://127.0.0.1:6379/0"
+    db_pool_size: int = Field(default=10, ge=1, description="Database connections per "
+                              "process pool.")
+    broker_url: str = Field(default="redis://127.0.0.1:6379/0",
+                            description="Celery broker (Redis, `noeviction`) that carries "
+                            "replay jobs to the queues `replay.<fingerprint_id>`.")
     api_url: str = Field(default="http://127.0.0.1:8000",
                          description="Where CLI commands that talk to the API find it.")
     api_key: SecretStr | None = Field(default=None, description="API key for CLI commands.")
@@ -53,7 +56,8 @@ class Settings(BaseSettings):
     worker_key_file: Path | None = Field(
         default=None, description="Ed25519 private key (PEM) a replay worker signs verdicts "
         "with (registered with purpose worker).")
-    worker_heartbeat_s: float = Field(default=5.0, gt=0)
+    worker_heartbeat_s: float = Field(default=5.0, gt=0,
+                                      description="How often a worker stamps its heartbeat.")
     vllm_engine_args: dict[str, Any] = Field(
         default_factory=dict, description="JSON object of extra `vllm.LLM` arguments for a "
         "worker with `--engine vllm` that share its GPU with other processes; only arguments "
@@ -131,13 +135,21 @@ class Settings(BaseSettings):
                                      description="Wait for a pooled connection, then 503.")
 
     # --- input limits ------------------------------------------------------------------
-    max_envelope_bytes: int = 4 * 1024 * 1024        # one DSSE envelope (JSON), as received
-    max_request_bytes: int = 64 * 1024 * 1024        # one HTTP body (batch ingest)
-    max_batch_items: int = 1000
-    max_prompt_tokens: int = 262_144
-    max_output_tokens: int = 65_536
-    max_token_id: int = 16_777_215                   # 2**24 - 1: larger than any real vocab
-    max_top_logprobs: int = 20
+    max_envelope_bytes: int = Field(default=4 * 1024 * 1024, ge=1,
+                                    description="Largest DSSE envelope (JSON) accepted, as "
+                                    "received.")
+    max_request_bytes: int = Field(default=64 * 1024 * 1024, ge=1,
+                                   description="Largest HTTP body (batch ingest).")
+    max_batch_items: int = Field(default=1000, ge=1,
+                                 description="Most envelopes in one batch ingest.")
+    max_prompt_tokens: int = Field(default=262_144, ge=1,
+                                   description="Most prompt tokens in one envelope.")
+    max_output_tokens: int = Field(default=65_536, ge=1,
+                                   description="Most output tokens in one envelope.")
+    max_token_id: int = Field(default=16_777_215, ge=1,  # 2**24 - 1: above any real vocab
+                              description="Largest token ID accepted.")
+    max_top_logprobs: int = Field(default=20, ge=0,
+                                  description="Most top-k logprobs per output step.")
 
     # --- broker timeouts and the metrics listener ----------------------------------------
     broker_publish_timeout_s: float = Field(
@@ -161,6 +173,116 @@ class Settings(BaseSettings):
         default=False, description="Development only: let `ledger serve`, `beat` and "
         "`worker` start as a superuser or the schema owner, or without the pepper or "
         "private key they need (they refuse to otherwise). `ledger demo` turns it on.")
+
+    # --- alerts (docs/replay.md, "Alerts") ---------------------------------------------
+    webhook_url: str | None = Field(
+        default=None, description="If set, `ledger beat` POSTs a signed JSON alert here "
+        "when a re-verification run's drift rate exceeds its policy's threshold and when a "
+        "fingerprint gate fails.")
+    webhook_secret: SecretStr | None = Field(
+        default=None, description="HMAC-SHA256 key of the alert webhook: the body's MAC is "
+        "sent as `X-Ledger-Signature: sha256=<hex>`. Without it alerts are signed with the "
+        "service key (Ed25519, `X-Ledger-Signature: ed25519=<base64>`).")
+    webhook_retries: int = Field(default=5, ge=0, le=50,
+                                 description="Retries of an alert that fails (exponential "
+                                 "back-off from 0.5 s).")
+    webhook_timeout_s: float = Field(default=5.0, gt=0, le=120,
+                                     description="Connect and read timeout per alert POST.")
+
+
+#: Which commands read each setting ("all": every command that opens the database).
+#: docs/settings.md is generated from this and the field descriptions
+#: (``python -m scripts.gen_settings_doc``); a test keeps it current.
+USED_BY: dict[str, tuple[str, ...]] = {
+    "database_url": ("serve", "beat", "worker", "check", "db", "keys", "apikey", "audit",
+                     "export", "integrate"),
+    "database_role": ("serve", "beat", "worker"),
+    "db_pool_size": ("serve",),
+    "broker_url": ("serve", "beat", "worker", "check"),
+    "api_url": ("keys register --api", "proxy"),
+    "api_key": ("keys register --api", "proxy"),
+    "log_name": ("serve", "beat", "worker", "audit", "integrate", "check"),
+    "log_key_file": ("serve", "beat", "integrate", "check"),
+    "service_key_file": ("serve", "beat", "worker --register-key", "keys", "apikey",
+                         "integrate", "check"),
+    "worker_key_file": ("worker", "check worker"),
+    "worker_heartbeat_s": ("worker",),
+    "vllm_engine_args": ("worker --engine vllm",),
+    "worker_dead_after_s": ("serve", "beat"),
+    "replay_max_attempts": ("serve", "beat"),
+    "replay_visibility_timeout_s": ("serve", "beat", "worker"),
+    "replay_expires_s": ("serve", "beat"),
+    "republish_after_s": ("beat",),
+    "fault_crash_on_request_id": ("worker",),
+    "integrate_in_api": ("serve", "check serve"),
+    "integrate_max_entries": ("serve", "beat", "integrate"),
+    "integrate_interval_ms": ("serve", "beat", "integrate"),
+    "trust_policy_file": ("worker", "audit", "verify", "check"),
+    "witnesses": ("serve", "beat", "integrate"),
+    "witness_timeout_s": ("serve", "beat", "integrate"),
+    "witness_interval_ms": ("serve", "beat", "integrate"),
+    "witness_max_backoff_s": ("serve", "beat", "integrate"),
+    "witness_max_lag_s": ("audit",),
+    "checkpoint_sink_dir": ("serve", "beat", "integrate"),
+    "data_dir": ("proxy",),
+    "api_key_pepper": ("serve", "apikey", "check serve"),
+    "max_inflight_requests": ("serve",),
+    "max_inflight_bytes": ("serve",),
+    "db_pool_timeout_s": ("serve",),
+    "max_envelope_bytes": ("serve",),
+    "max_request_bytes": ("serve",),
+    "max_batch_items": ("serve",),
+    "max_prompt_tokens": ("serve",),
+    "max_output_tokens": ("serve",),
+    "max_token_id": ("serve",),
+    "max_top_logprobs": ("serve",),
+    "broker_publish_timeout_s": ("serve",),
+    "metrics_port": ("serve",),
+    "metrics_host": ("serve",),
+    "database_password_file": ("serve", "beat", "worker", "db"),
+    "insecure_dev": ("serve", "beat", "worker", "check"),
+    "webhook_url": ("beat",),
+    "webhook_secret": ("beat",),
+    "webhook_retries": ("beat",),
+    "webhook_timeout_s": ("beat",),
+}
+
+
+def env_name(field: str) -> str:
+    return f"LEDGER_{field.upper()}"
+
+
+def _default_text(name: str) -> str:
+    info = Settings.model_fields[name]
+    if info.default_factory is not None:
+        value: object = info.default_factory()  # type: ignore[call-arg]
+    else:
+        value = info.default
+    if isinstance(value, SecretStr):
+        value = value.get_secret_value()
+    if value is None or value == "" or value == []:
+        return "(unset)"
+    return f"`{value}`"
+
+
+def settings_markdown() -> str:
+    """docs/settings.md: every LEDGER_* variable, its meaning, default and readers."""
+    lines = [
+        "# Settings",
+        "",
+        "Generated from `ledger/settings.py` (the one settings object) by "
+        "`python -m scripts.gen_settings_doc`; `tests/test_settings_doc.py` fails when it is "
+        "stale. Every setting is an environment variable. `ledger check serve|beat|worker|"
+        "proxy` validates the ones a component needs and names each one that is wrong.",
+        "",
+        "| variable | default | used by | meaning |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, info in Settings.model_fields.items():
+        desc = " ".join((info.description or "").split()).replace("|", "\\|")
+        used = ", ".join(f"`{c}`" for c in USED_BY[name])
+        lines.append(f"| `{env_name(name)}` | {_default_text(name)} | {used} | {desc} |")
+    return "\n".join(lines) + "\n"
 
 
 @lru_cache(maxsize=1)

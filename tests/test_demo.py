@@ -4,6 +4,7 @@ outcomes, twice in a row on the same data folder."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -27,5 +28,15 @@ def test_demo_runs_twice_with_the_expected_outcomes(tmp_path: Path) -> None:
         assert "diverged" in out and "awaiting_worker" in out
         assert "audit OK" in out and "offline verify OK" in out
         assert elapsed < 120, f"run {run} took {elapsed:.0f} s"
+        # what to use next: the API and console URLs, the database, a key per role
+        api = re.search(r"^API: +(http://127\.0\.0\.1:\d+)", out, re.M)
+        assert api and f"console:          {api.group(1)}/console" in out, out[-3000:]
+        assert re.search(r"^database: +LEDGER_DATABASE_URL=postgresql\+psycopg://\S+", out,
+                         re.M), out[-3000:]
+        for role in ("ingester", "reviewer", "auditor", "admin"):
+            assert re.search(rf"^{role} API key: +lk_\S+$", out, re.M), (role, out[-3000:])
+        # README: "records 26 requests ... 27 envelopes"
+        assert re.search(r"27 envelopes stored \(26 recorded requests and 1 altered", " ".join(
+            out.split())), out[-3000:]
     assert (data / "bundle.jsonl").stat().st_size > 0
     assert list((data / "checkpoints").glob("checkpoint.*"))

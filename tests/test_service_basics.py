@@ -91,7 +91,7 @@ def test_cli_keys_generate_register_and_apikey_create(db_url: str, tmp_path) -> 
     assert "PRIVATE" not in gen.stdout and "PRIVATE" not in gen.stderr
     info = json.loads(gen.stdout)
     again = _ledger("keys", "generate", "--out", str(key_path))
-    assert again.returncode == 1  # never overwrites silently
+    assert again.returncode == 2 and "--force" in again.stderr  # never overwrites silently
     reg = _ledger("keys", "register", str(key_path) + ".pub", "--purpose", "producer",
                   "--name", "gw-1", env=env)
     assert reg.returncode == 0, reg.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from ledger.core.fingerprint import replay_queue
 from ledger.db.session import make_engine, session_scope
@@ -23,7 +24,8 @@ log = logging.getLogger("ledger.worker")
 
 def build_worker(settings: Settings, *, models: list[str], engine_name: str, device: str,
                  dtype: str, max_batch: int, key_file: Path | None,
-                 register_key: bool = False, insecure_dev: bool = False) -> ReplayWorker:
+                 register_key: bool = False, insecure_dev: bool = False,
+                 threads: int | None = 1, hashing_progress: Any = None) -> ReplayWorker:
     from workers.replay import worker_trust
 
     trust = worker_trust(settings, insecure_dev=insecure_dev)  # refuses before anything
@@ -33,7 +35,8 @@ def build_worker(settings: Settings, *, models: list[str], engine_name: str, dev
     db = make_engine(settings, pool_size=3)
     worker = ReplayWorker(settings, db, models=models, engine_name=engine_name, device=device,
                           dtype=dtype, max_batch=max_batch, signer=signer, trust=trust,
-                          insecure_dev=insecure_dev)
+                          insecure_dev=insecure_dev, threads=threads,
+                          hashing_progress=hashing_progress)
     if register_key:
         # a registry leaf when the service key is at hand (otherwise `ledger audit`
         # reports the row, and bundles verified with a policy do not believe the key)

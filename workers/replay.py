@@ -49,7 +49,14 @@ from ledger.core.merkle import leaf_hash, verify_inclusion
 from ledger.core.note import NoteVerifier, open_checkpoint
 from ledger.core.registry import RegisteredKey
 from ledger.core.trust import TrustPolicy, load_trust_policy
-from ledger.db.models import Envelope, ReplayJob, ReplayJobItem, SigningKey, Worker
+from ledger.db.models import (
+    Envelope,
+    JobAttempt,
+    ReplayJob,
+    ReplayJobItem,
+    SigningKey,
+    Worker,
+)
 from ledger.db.session import session_scope
 from ledger.log import proofs
 from ledger.log.registry import registry_from_leaves
@@ -109,9 +116,11 @@ class Prepared:
     checkpoint: dict[str, Any] = field(default_factory=dict)
 
 
-def hold_models(models: Sequence[str | Path]) -> dict[str, HeldModel]:
+def hold_models(models: Sequence[str | Path],
+                progress: Any = None) -> dict[str, HeldModel]:
     """Hash every model the worker holds: a directory of model directories, model
-    directories, or the name ``tiny-demo``."""
+    directories, or the name ``tiny-demo``. ``progress(name, total_bytes)`` returns a
+    callback advanced by the bytes hashed (a progress bar), or None."""
     from workers.engine.reference import TINY_DEMO_NAME, resolve_model_dir
 
     held: dict[str, HeldModel] = {}
@@ -125,7 +134,12 @@ def hold_models(models: Sequence[str | Path]) -> dict[str, HeldModel]:
             paths = [(p.name, p) for p in sorted(Path(spec).iterdir())
                      if (p / "config.json").is_file()]
         for name, path in paths:
-            digest = model_sha256(path)
+            if progress is not None:
+                from ledger.artifacts import total_bytes
+
+                digest = model_sha256(path, progress(name, total_bytes(path)))
+            else:
+                digest = model_sha256(path)
             held[digest] = HeldModel(digest, name, str(path))
     return held
 
@@ -134,7 +148,8 @@ class ReplayWorker:
     def __init__(self, settings: Settings, db: Engine, *, models: Sequence[str | Path],
                  engine_name: str = "reference", device: str = "cpu", dtype: str = "float32",
                  max_batch: int = 32, signer: Signer, trust: TrustPolicy | None = None,
-                 insecure_dev: bool = False) -> None:
+                 insecure_dev: bool = False, threads: int | None = 1,
+                 hashing_progress: Any = None) -> None:
         # first, before any model is loaded: no trust policy, no worker
         self.trust = worker_trust(settings, trust, insecure_dev=insecure_dev)
         if self.trust is None:
@@ -146,8 +161,9 @@ class ReplayWorker:
         self.device = device
         self.dtype = dtype
         self.max_batch = max_batch
+        self.threads = threads
         self.signer = signer
-        self.models = hold_models(models)
+        self.models = hold_models(models, hashing_progress)
         if not self.models:
             raise ValueError(f"no model directories found in {list(models)}")
         self._engines: dict[str, Any] = {}
@@ -176,7 +192,7 @@ class ReplayWorker:
                 from workers.engine import load_engine
 
                 self._engines[digest] = load_engine(held.path, device=self.device,
-                                                    dtype=self.dtype)
+                                                    dtype=self.dtype, threads=self.threads)
         return self._engines[digest]
 
     def self_check(self, n: int = 6) -> None:
@@ -256,6 +272,10 @@ class ReplayWorker:
             log.warning("job %s is for fingerprint %s, this worker is %s: refused, not "
                         "replayed", job_id, fingerprint, self.fingerprint_id)
             return "refuse"
+        problems = self.configuration_problems()
+        if problems:
+            self._hand_back(jid, problems)
+            return "misconfigured"
         with session_scope(self.db) as session:
             job, claim = job_service.claim(session, job_id, worker_id=self.worker_id,
                                            fingerprint_id=self.fingerprint_id,
@@ -289,6 +309,38 @@ class ReplayWorker:
             self._conclude(session, job, list(zip(prepared, results, strict=True)),
                            duration_ms=duration_ms)
         return "done"
+
+    def configuration_problems(self) -> list[str]:
+        """What would make this worker's verdicts a statement about its own settings (a
+        log name or trust policy that does not match the log, a key that is not an active
+        worker key), one line per problem naming the setting."""
+        from ledger.services.checks import worker_job_problems
+
+        lines = [p.line() for p in worker_job_problems(self.settings, self.db)]
+        with self.db.connect() as conn:
+            key = conn.execute(select(SigningKey.purpose, SigningKey.status).where(
+                SigningKey.keyid == self.signer.keyid)).first()
+            conn.rollback()
+        if key is None or key.purpose != "worker" or key.status != "active":
+            lines.append(f"LEDGER_WORKER_KEY_FILE: the key {self.signer.keyid[:16]}... is not "
+                         "an active registered worker key")
+        return lines
+
+    def _hand_back(self, job_id: uuid.UUID, problems: list[str]) -> None:
+        """A job this worker must not judge: it stays queued (no attempt is spent, no
+        verdict is signed) with an ``error`` attempt saying why, and the sweeper delivers it
+        again later, to this worker once fixed or to another."""
+        detail = "worker configuration: " + "; ".join(problems)
+        log.error("job %s handed back: %s", job_id, detail)
+        with session_scope(self.db) as session:
+            job = session.get(ReplayJob, job_id, with_for_update=True)
+            if job is None or job.state not in ("queued", "awaiting_worker"):
+                return
+            now = datetime.now(UTC)
+            session.add(JobAttempt(job_id=job.id, attempt=job.attempts, worker_id=self.worker_id,
+                                   fingerprint_id=self.fingerprint_id, started_at=now,
+                                   finished_at=now, outcome="error", detail=detail))
+            job.state_reason = f"worker {self.worker_id} handed it back: {detail}"
 
     def _prepare(self, job_id: str) -> list[Prepared]:
         with session_scope(self.db) as session:

@@ -186,8 +186,10 @@ class MetricsListener:
     set up by ``ledger serve --workers N``), the others retry every few seconds, so one of
     them takes over when the holder exits."""
 
-    def __init__(self, host: str, port: int, retry_s: float = 2.0) -> None:
+    def __init__(self, host: str, port: int, retry_s: float = 2.0,
+                 extra: Any = None) -> None:
         self.host, self.port, self.retry_s = host, port, retry_s
+        self.extra = extra  # a collector read at scrape time (the drift metrics)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ledger-metrics", daemon=True)
         self.serving = threading.Event()
@@ -200,10 +202,12 @@ class MetricsListener:
         from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
         from prometheus_client import multiprocess as prom_multiprocess
 
-        registry = REGISTRY
+        registry: Any = REGISTRY
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by `ledger serve --workers N`
             registry = CollectorRegistry()
             prom_multiprocess.MultiProcessCollector(registry)
+        if self.extra is not None:
+            registry = _Combined(registry, self.extra)
         while not self._stop.is_set():
             try:
                 server, _ = start_http_server(self.port, addr=self.host, registry=registry)
@@ -219,6 +223,17 @@ class MetricsListener:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(5)
+
+
+class _Combined:
+    """The process's registry plus one more collector, for one HTTP listener."""
+
+    def __init__(self, *collectors: Any) -> None:
+        self.collectors = collectors
+
+    def collect(self) -> Any:
+        for collector in self.collectors:
+            yield from collector.collect()
 
 
 def start_integrator(settings: Settings, engine: Engine,
@@ -261,7 +276,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
                 log.warning("could not prepare the broker publisher: %s", exc)
         integrator = start_integrator(settings, engine, app.state.service_signer)
         app.state.integrator = integrator
-        listener = MetricsListener(settings.metrics_host, settings.metrics_port).start() \
+        from ledger.replay.alerts import DriftCollector
+
+        listener = MetricsListener(settings.metrics_host, settings.metrics_port,
+                                   extra=DriftCollector(engine)).start() \
             if settings.metrics_port else None
         app.state.metrics_listener = listener
         try:

@@ -14,7 +14,14 @@ from typing import Annotated, Any, Optional
 import httpx
 import typer
 
-from ledger.cli.common import DatabaseUrlOption, console, out, settings_with, write_private_file
+from ledger.cli.common import (
+    DatabaseUrlOption,
+    console,
+    fail,
+    out,
+    settings_with,
+    write_private_file,
+)
 from ledger.core import keys as corekeys
 
 db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
@@ -62,8 +69,7 @@ def db_create_login(
 
     group = COMPONENT_ROLES.get(component)
     if group is None:
-        console.print(f"[red]--component must be one of {', '.join(COMPONENT_ROLES)}[/red]")
-        raise typer.Exit(2)
+        raise fail(f"unknown component {component!r}", f"one of {', '.join(COMPONENT_ROLES)}")
     settings = settings_with(database_url)
     if no_password:
         password = None
@@ -129,7 +135,7 @@ def serve_command(
         settings = settings.model_copy(update={"insecure_dev": True})
     engine = make_engine(settings, pool_size=1)
     try:
-        enforce(settings, engine, "api")
+        enforce(settings, engine, "api")  # `ledger check serve`
     finally:
         engine.dispose()
     if database_url:
@@ -193,16 +199,17 @@ def keys_register(
 
     try:
         raw = _public_from_file(key_file)
-    except (LedgerError, OSError, UnicodeDecodeError) as exc:
-        reason = exc.code if isinstance(exc, LedgerError) else "unreadable"
-        console.print(f"refused: {reason}: {exc}", style="red", markup=False,
+    except LedgerError as exc:  # a key the ledger refuses (small order, not canonical)
+        console.print(f"refused: {exc.code}: {exc}", style="red", markup=False,
                       highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise fail(f"unreadable key file: {exc}", "pass a public key (PEM or base64) or a "
+                   "private key PEM, e.g. from `ledger keys generate`") from None
     settings = settings_with(database_url)
     if via_api:
         if settings.api_key is None:
-            console.print("[red]set LEDGER_API_KEY to an admin API key[/red]")
-            raise typer.Exit(2)
+            raise fail("--api needs an API key", "set LEDGER_API_KEY to an admin API key")
         body = {"public_key": base64.b64encode(raw).decode(), "purpose": purpose, "name": name,
                 "not_before": not_before.isoformat() if not_before else None,
                 "not_after": not_after.isoformat() if not_after else None}
@@ -273,9 +280,7 @@ def keys_attest(keyids: Annotated[list[str], typer.Argument(help="Key IDs (hex S
     settings = settings_with(database_url)
     signer = Signer.from_file(settings.service_key_file, "ledger", "ledger-service")
     if signer is None:
-        console.print("[red]set LEDGER_SERVICE_KEY_FILE: attesting signs registry "
-                      "leaves[/red]")
-        raise typer.Exit(2)
+        raise fail("attesting signs registry leaves", "set LEDGER_SERVICE_KEY_FILE")
     engine = make_engine(settings)
     with session_scope(engine) as session:
         signer.ensure_registered(session)
@@ -300,8 +305,7 @@ def apikey_create(
     from ledger.services.apikeys import ROLES, Principal, create_api_key
 
     if role not in ROLES:
-        console.print(f"[red]role must be one of {', '.join(ROLES)}[/red]")
-        raise typer.Exit(2)
+        raise fail(f"unknown role {role!r}", f"one of {', '.join(ROLES)}")
     settings = settings_with(database_url)
     signer = _registry_signer(settings)
     engine = make_engine(settings)
@@ -316,6 +320,53 @@ def apikey_create(
     engine.dispose()
     console.print(f"API key {name!r} ({role}); it is shown only once:")
     print(secret)
+
+
+@apikey_app.command("list")
+def apikey_list(database_url: Optional[str] = DatabaseUrlOption) -> None:  # noqa: UP045
+    """List API keys (name, role, prefix, created, revoked); never the keys themselves."""
+    from rich.table import Table
+
+    from ledger.db.session import make_engine, session_scope
+    from ledger.services.apikeys import list_api_keys
+
+    engine = make_engine(settings_with(database_url), pool_size=1)
+    table = Table("id", "name", "role", "prefix", "created", "revoked")
+    with session_scope(engine) as session:
+        for row in list_api_keys(session):
+            table.add_row(str(row.id), row.name, row.role, row.prefix,
+                          f"{row.created_at:%Y-%m-%d %H:%M}",
+                          f"{row.revoked_at:%Y-%m-%d %H:%M}" if row.revoked_at else "-")
+    engine.dispose()
+    out.print(table)
+
+
+@apikey_app.command("revoke")
+def apikey_revoke(key_id: Annotated[str, typer.Argument(help="The key's id (`ledger apikey "
+                                                              "list`).")],
+                  database_url: Optional[str] = DatabaseUrlOption) -> None:  # noqa: UP045
+    """Revoke an API key: it is refused from now on (a signed registry leaf and an audit
+    event record who did it)."""
+    from ledger.db.session import make_engine, session_scope
+    from ledger.errors import NotFound
+    from ledger.services import audit
+    from ledger.services.apikeys import Principal, revoke_api_key
+
+    settings = settings_with(database_url)
+    signer = _registry_signer(settings)
+    engine = make_engine(settings, pool_size=1)
+    try:
+        with session_scope(engine) as session:
+            if signer is not None:
+                signer.ensure_registered(session)
+            row = revoke_api_key(session, key_id, signer=signer, actor=LOCAL_ADMIN[1])
+            audit.record(session, Principal(*LOCAL_ADMIN), "api_key.revoke", key_id)
+            name = row.name
+    except NotFound as exc:
+        raise fail(exc.message, "`ledger apikey list` shows the ids") from None
+    finally:
+        engine.dispose()
+    console.print(f"[yellow]revoked API key {name!r} ({key_id})[/yellow]")
 
 
 def register(app: typer.Typer) -> None:

@@ -19,9 +19,11 @@ from ledger.settings import get_settings
 TINY_DEMO = "tiny-demo"
 
 
-def _fail(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {message}")
-    return typer.Exit(code=2)
+def _fail(message: str, hint: str = "check the arguments (`--help`) and docs/capture.md"
+          ) -> typer.Exit:
+    from ledger.cli.common import fail
+
+    return fail(message, hint)
 
 
 def proxy_command(
@@ -115,7 +117,7 @@ def engine_serve_command(
                                             help="Fast kernels (the performance channel)."),
     threads: Optional[int] = typer.Option(  # noqa: UP045
         None, "--threads", min=1, help="torch intra-op threads on CPU (part of the "
-                                       "fingerprint)."),
+                                       "fingerprint; default 1, as `ledger fingerprint`)."),
     write_fingerprint: Optional[Path] = typer.Option(  # noqa: UP045
         None, "--write-fingerprint", help="Write this server's fingerprint JSON here (what "
                                           "`ledger proxy --fingerprint` reads)."),
@@ -127,17 +129,17 @@ def engine_serve_command(
     try:
         import torch
 
-        from workers.engine import load_engine
+        from workers.engine import DEFAULT_CPU_THREADS, load_engine
         from workers.serve.app import create_app
         from workers.serve.tokenizer import ByteTokenizer
     except ImportError as exc:
         raise _fail(f"the reference engine needs torch: {exc}") from exc
-    if threads is not None:
-        torch.set_num_threads(threads)
+    del torch  # imported to fail early without it; load_engine sets the threads
     with console.status("loading model"):
         try:
             engine = load_engine(model, device=device, dtype=dtype,
-                                 batch_invariant=not no_batch_invariant)
+                                 batch_invariant=not no_batch_invariant,
+                                 threads=threads or DEFAULT_CPU_THREADS)
         except (OSError, ValueError) as exc:
             raise _fail(str(exc)) from exc
     tokenizer = ByteTokenizer() if engine.config.vocab_size == ByteTokenizer.vocab_size \

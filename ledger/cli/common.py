@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import typer
@@ -21,6 +22,12 @@ def settings_with(database_url: str | None = None) -> Settings:
     return settings
 
 
+def fail(message: str, hint: str) -> typer.Exit:
+    """A user error: one line with a hint on standard error; raise the result (exit 2)."""
+    print(f"error: {' '.join(message.split())}; hint: {hint}", file=sys.stderr, flush=True)
+    return typer.Exit(2)
+
+
 def write_private_file(path: Path, data: bytes, *, force: bool = False) -> None:
     """Create ``path`` with mode 0600 (never readable by others, not even briefly)."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -28,8 +35,7 @@ def write_private_file(path: Path, data: bytes, *, force: bool = False) -> None:
     try:
         fd = os.open(path, flags, 0o600)
     except FileExistsError:
-        console.print(f"[red]{path} exists; pass --force to overwrite[/red]")
-        raise typer.Exit(1) from None
+        raise fail(f"{path} exists", "pass --force to overwrite") from None
     with os.fdopen(fd, "wb") as fh:
         os.fchmod(fh.fileno(), 0o600)
         fh.write(data)

@@ -31,9 +31,11 @@ TINY_DEMO = "tiny-demo"
 err = Console(stderr=True)
 
 
-def _fail(message: str) -> typer.Exit:
-    err.print(f"[red]error:[/red] {message}")
-    return typer.Exit(code=2)
+def _fail(message: str, hint: str = "check the arguments (`--help`) and docs/engine.md"
+          ) -> typer.Exit:
+    from ledger.cli.common import fail
+
+    return fail(message, hint)
 
 
 def read_requests(path: Path) -> list[GenerationRequest]:
@@ -165,25 +167,26 @@ def register(app: typer.Typer) -> None:
         dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
         no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant"),
         tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", min=1),
+        threads: int = typer.Option(1, "--threads", min=1, help="torch intra-op threads on "
+                                    "CPU (part of the fingerprint; `ledger worker --threads` "
+                                    "takes the same value)."),
         max_num_seqs: int = typer.Option(1, "--max-num-seqs", min=1, help="vllm: the "
                                          "`vllm serve --max-num-seqs` this fingerprint is "
                                          "for (above 1: not batch invariant)."),
     ) -> None:
-        """Print this node's runtime fingerprint as JSON (fingerprint_id and runtime)."""
+        """Print this node's runtime fingerprint as JSON (fingerprint_id and runtime): what
+        `ledger worker` prints with the same --engine, --device, --dtype and --threads."""
         from ledger.core.fingerprint import fingerprint_id
 
+        if engine_name not in ("reference", "vllm"):
+            raise _fail(f"unknown engine {engine_name!r} (reference | vllm)")
         try:
-            if engine_name == "reference":
-                from workers.engine.runtime import reference_runtime
+            from workers.engine import node_runtime
 
-                runtime = reference_runtime(device, dtype, not no_batch_invariant)
-            elif engine_name == "vllm":
-                from workers.engine.vllm_adapter import vllm_runtime
-
-                runtime = vllm_runtime(dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                                       device=device, max_num_seqs=max_num_seqs)
-            else:
-                raise _fail(f"unknown engine {engine_name!r} (reference | vllm)")
+            runtime = node_runtime(engine_name, device=device, dtype=dtype,
+                                   batch_invariant=not no_batch_invariant, threads=threads,
+                                   tensor_parallel_size=tensor_parallel_size,
+                                   max_num_seqs=max_num_seqs)
         except ImportError as exc:
             raise _fail(f"{engine_name} engine unavailable: {exc}") from exc
         except (ValueError, RuntimeError, AssertionError) as exc:

@@ -14,7 +14,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ledger.cli.common import DatabaseUrlOption, console, out, settings_with
+from ledger.cli.common import DatabaseUrlOption, console, fail, out, settings_with
 
 VERIFY_CHUNK = 2_000
 
@@ -38,8 +38,8 @@ def integrate_command(
     settings = settings_with(database_url)
     signer = LogSigner.from_settings(settings)
     if signer is None:
-        console.print("[red]set LEDGER_LOG_KEY_FILE to the log's private key (PEM)[/red]")
-        raise typer.Exit(2)
+        raise fail("the integrator signs checkpoints", "set LEDGER_LOG_KEY_FILE to the "
+                   "log's private key (PEM)")
     from ledger.replay.records import Signer
 
     service = Signer.from_file(settings.service_key_file, "ledger", "ledger-service")
@@ -104,8 +104,8 @@ def audit_command(
         try:
             policy = load_trust_policy(trust_file)
         except LedgerError as exc:
-            out.print(f"[red]FAIL: {exc.message}[/red]")
-            raise typer.Exit(2) from None
+            raise fail(exc.message, "check --trust / LEDGER_TRUST_POLICY_FILE "
+                       "(`ledger trust init` writes one)") from None
     saved: list[tuple[str, bytes]] = []
     for path in against or []:
         files = sorted(path.glob("checkpoint.*")) if path.is_dir() else [path]
@@ -114,8 +114,7 @@ def audit_command(
     try:
         witnessed = [_witness_view(url, origin) for url in witness or []]
     except LedgerError as exc:
-        out.print(f"[red]FAIL: {exc.message}[/red]")
-        raise typer.Exit(2) from None
+        raise fail(exc.message, "check --witness URL") from None
     engine = make_engine(settings, pool_size=1)
     with _progress() as bar:
         task = bar.add_task("auditing entries", total=None)
@@ -176,6 +175,8 @@ def export_command(
     model_sha256: Optional[str] = typer.Option(None),  # noqa: UP045
     fingerprint_id: Optional[str] = typer.Option(None),  # noqa: UP045
     request_id: Annotated[Optional[list[str]], typer.Option(help="Repeatable.")] = None,  # noqa: UP045
+    allow_empty: bool = typer.Option(False, help="Write a bundle of zero records without "
+                                     "failing (a selection that matched nothing)."),
     database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
 ) -> None:
     """Write a self-contained bundle: envelopes, inclusion proofs against one checkpoint,
@@ -200,8 +201,14 @@ def export_command(
             else:
                 n += 1
                 bar.advance(task)
-    os.replace(tmp, out_path)
     engine.dispose()
+    if n == 0 and not allow_empty:
+        tmp.unlink(missing_ok=True)
+        console.print(f"[yellow]warning: the selection matched no records; {out_path} was not "
+                      "written[/yellow]")
+        raise fail("nothing to export", "check the filters (e.g. --model-sha256 is the "
+                   "artifact hash `ledger artifact hash` prints), or pass --allow-empty")
+    os.replace(tmp, out_path)
     console.print(f"[green]wrote {out_path}: {n} records[/green]")
 
 
@@ -243,6 +250,9 @@ def verify_command(
                     summary = verify_bundle(data, map_chunks=pool.map, **kwargs)
             else:
                 summary = verify_bundle(data, **kwargs)
+    except FileNotFoundError as exc:
+        raise fail(f"{exc.strerror}: {exc.filename}", "pass the bundle `ledger export "
+                   "--out` wrote") from None
     except (LedgerError, OSError) as exc:
         message = exc.message if isinstance(exc, LedgerError) else str(exc)
         out.print(f"[red]FAIL: {message}[/red]", soft_wrap=True)
@@ -251,6 +261,7 @@ def verify_command(
     table = Table(title=f"ledger verify {bundle.name}", show_header=False)
     table.add_row("log", summary.origin)
     table.add_row("checkpoint tree size", f"{summary.tree_size:,}")
+    table.add_row("checkpoint root", summary.root_hash)
     table.add_row("log key", {"trust": f"from the trust policy {policy_file}",
                               "pinned": "pinned"}.get(
         summary.log_key_source,
@@ -261,6 +272,8 @@ def verify_command(
     table.add_row("exported at", summary.created_at)
     for kind, count in sorted(summary.by_kind.items()):
         table.add_row(f"{kind} records verified", f"{count:,}")
+    for kid, purpose in sorted(summary.keys.items(), key=lambda kv: (kv[1], kv[0])):
+        table.add_row(f"{purpose} key", kid)
     table.add_row("time", f"{elapsed:.2f} s ({summary.records / max(elapsed, 1e-9):,.0f}/s)")
     out.print(table)
     out.print("[green]OK: the signed manifest covers every byte; checkpoint signature, every "

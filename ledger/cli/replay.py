@@ -25,7 +25,11 @@ def worker_command(
                                        "LEDGER_WORKER_KEY_FILE."),
     register_key: bool = typer.Option(False, help="Register the key as a worker key if it "
                                       "is not (development; an admin does it otherwise)."),
-    loglevel: str = typer.Option("INFO"),
+    threads: int = typer.Option(1, "--threads", min=1, help="torch intra-op threads on CPU "
+                                "(part of the fingerprint; as `ledger fingerprint --threads`)."),
+    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG | INFO | WARNING | "
+                                  "ERROR."),
+    old_loglevel: Optional[str] = typer.Option(None, "--loglevel", hidden=True),  # noqa: UP045
     database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
     insecure_dev: bool = typer.Option(
         False, "--insecure-dev", help="Development only: start as a superuser or the "
@@ -35,6 +39,7 @@ def worker_command(
     """Replay worker: computes its fingerprint, hashes its models, self-checks batch
     invariance, then consumes only replay.<fingerprint_id>. Refuses to start as a database
     superuser or the schema owner, or without a worker key."""
+    loglevel = (old_loglevel or log_level).upper()  # --loglevel: the old spelling
     logging.basicConfig(level=loglevel, format="%(asctime)s %(name)s %(message)s")
     from ledger.core.errors import LedgerError
     from ledger.db.privileges import enforce
@@ -45,16 +50,33 @@ def worker_command(
         settings = settings.model_copy(update={"insecure_dev": True})
     check_engine = make_engine(settings, pool_size=1)
     try:
-        enforce(settings, check_engine, "worker", worker_key_given=key is not None)
+        enforce(settings, check_engine, "worker", worker_key=key, register_key=register_key)
     finally:
         check_engine.dispose()
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TransferSpeedColumn,
+    )
+
     from workers.celery_worker import build_worker, serve
     from workers.replay import NoTrustPolicy, SelfCheckFailed
 
+    bars = Progress(TextColumn("hashing {task.description}"), BarColumn(), DownloadColumn(),
+                    TransferSpeedColumn(), console=console, transient=True)
+
+    def hashing(name: str, total: int) -> Any:
+        task = bars.add_task(name, total=total)
+        return lambda n: bars.advance(task, n)
+
     try:
-        worker = build_worker(settings, models=models, engine_name=engine, device=device,
-                              dtype=dtype, max_batch=max_batch, key_file=key,
-                              register_key=register_key, insecure_dev=insecure_dev)
+        with bars:
+            worker = build_worker(settings, models=models, engine_name=engine, device=device,
+                                  dtype=dtype, max_batch=max_batch, key_file=key,
+                                  threads=threads, register_key=register_key,
+                                  insecure_dev=insecure_dev, hashing_progress=hashing)
     except NoTrustPolicy as exc:
         typer.echo(str(exc), err=True)  # one line, unwrapped
         raise typer.Exit(2) from None
@@ -78,13 +100,15 @@ def worker_command(
 def beat_command(
     interval: float = typer.Option(2.0, help="Seconds between ticks."),
     database_url: Optional[str] = DatabaseUrlOption,  # noqa: UP045
+    log_level: str = typer.Option("INFO", "--log-level", help="DEBUG | INFO | WARNING | "
+                                  "ERROR."),
     insecure_dev: bool = typer.Option(False, "--insecure-dev", help="Development only: "
                                       "start as a superuser or without the log key."),
 ) -> None:
     """The one scheduler: outbox sweeper, re-verification windows, fingerprint gates, and
     the integrator (LEDGER_LOG_KEY_FILE). A second beat waits for the first's lock.
     Refuses to start as a database superuser or the schema owner, or without the log key."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     from ledger.db.privileges import enforce
     from ledger.db.session import make_engine
     from ledger.log.integrator import IntegratorThread

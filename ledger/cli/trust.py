@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ledger.cli.common import console, settings_with
+from ledger.cli.common import console, fail, settings_with
 
 trust_app = typer.Typer(help="Trust policies: the keys checks believe, kept outside the "
                         "database.", no_args_is_help=True)
@@ -48,19 +48,18 @@ def trust_init(
     services = service_key or ([settings.service_key_file] if settings.service_key_file
                                else [])
     if not logs:
-        console.print("[red]name the log key: --log-key FILE or LEDGER_LOG_KEY_FILE[/red]")
-        raise typer.Exit(2)
+        raise fail("no log key", "--log-key FILE or LEDGER_LOG_KEY_FILE")
     if out_path.exists() and not force:
-        console.print(f"[red]{out_path} exists (--force to overwrite)[/red]")
-        raise typer.Exit(2)
+        raise fail(f"{out_path} exists", "pass --force to overwrite")
     try:
         text = format_trust_policy(origin or settings.log_name,
                                    [_public_key(Path(p)) for p in logs],
                                    [_public_key(Path(p)) for p in services],
                                    [parse_witness_key(w) for w in witness or []], quorum)
     except (LedgerError, OSError, ValueError) as exc:
-        console.print(f"[red]{getattr(exc, 'message', None) or exc}[/red]")
-        raise typer.Exit(2) from None
+        raise fail(str(getattr(exc, "message", None) or exc),
+                   "pass key files from `ledger keys generate` (public or private PEM)"
+                   ) from None
     out_path.write_text(text)
     console.print(f"[green]wrote {out_path}[/green]")
 

@@ -106,6 +106,10 @@ class BundleSummary:
     witnesses: list[str] = field(default_factory=list)
     selection: Mapping[str, Any] = field(default_factory=dict)
     created_at: str = ""
+    root_hash: str = ""
+    #: keyid -> purpose of every key a record signature was checked against (the keys the
+    #: bundle vouches for, and the service keys of its registry leaves and manifest)
+    keys: dict[str, str] = field(default_factory=dict)
 
 
 def header_bytes(records: int, manifest: dsse.Envelope) -> bytes:
@@ -420,6 +424,7 @@ def verify_bundle(data: bytes, **kwargs: Any) -> BundleSummary:
 
 def start_summary(header: BundleHeader) -> BundleSummary:
     return BundleSummary(tree_size=header.checkpoint.size, origin=header.origin,
+                         root_hash=header.checkpoint.root_hash.hex(),
                          log_key_source=header.log_key_source, witnesses=header.witnesses,
                          selection=header.manifest.get("selection") or {},
                          created_at=str(header.manifest.get("created_at")))
@@ -434,6 +439,8 @@ def add_record(summary: BundleSummary, seen: set[int], index: int, kind: str, li
 
 
 def finish(summary: BundleSummary, header: BundleHeader) -> None:
+    summary.keys = {**{kid: k.purpose for kid, k in header.keys.items()},
+                    **{kid: "ledger" for kid in header.service_keys}}
     if summary.records != header.records:
         raise BundleError(f"the header announces {header.records} records, the bundle holds "
                           f"{summary.records}")

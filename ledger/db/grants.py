@@ -46,6 +46,7 @@ ROLES = tuple(COMPONENT_ROLES.values())
 #: Tables made by sibling migrations (0006 registry leaves, 0007 witnesses): granted only
 #: where they exist, so 0008 runs before and after they are filled in.
 OPTIONAL_TABLES = frozenset({"admin_events", "checkpoint_cosignatures", "witness_status",
+                             "alerts",  # 0009: webhook alerts
                              "tokenizers", "console_sessions"})  # 0011: the console
 
 _SEQUENCER = ("SELECT", "UPDATE (size)")                # log_state: lock and advance
@@ -82,8 +83,10 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
                      "resolution_note, resolved_by, resolved_at)"),
         "dispute_events": ("SELECT", "INSERT"),
         "verdicts": ("SELECT",),
-        "reverification_policies": ("SELECT", "INSERT"),
-        "reverification_runs": ("SELECT",),
+        # pause/resume (enabled) and delete (its runs keep their reports, detached)
+        "reverification_policies": ("SELECT", "INSERT", "UPDATE (enabled)", "DELETE"),
+        "reverification_runs": ("SELECT", "UPDATE (policy_id)"),
+        "alerts": ("SELECT",),
         "tokenizers": ("SELECT", "INSERT"),                          # 0011: the console
         "console_sessions": ("SELECT", "INSERT", "DELETE"),
     },
@@ -102,6 +105,8 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "verdicts": ("SELECT",),
         "reverification_policies": ("SELECT",),
         "reverification_runs": ("SELECT", "INSERT", "UPDATE (sampled)"),
+        "alerts": ("SELECT", "INSERT",
+                   "UPDATE (attempts, next_attempt_at, delivered_at, last_error)"),
     },
     WORKER: {
         "alembic_version": ("SELECT",),
@@ -127,7 +132,8 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "signing_keys", "api_keys", "audit_events", "admin_events", "log_tree", "tiles",
         "checkpoints", "checkpoint_cosignatures", "witness_status", "workers", "replay_jobs",
         "replay_job_items", "job_attempts", "disputes", "dispute_events", "verdicts",
-        "reverification_policies", "reverification_runs", "tokenizers", "console_sessions")},
+        "reverification_policies", "reverification_runs", "alerts", "tokenizers",
+        "console_sessions")},
 }
 
 def grant_statements(grants: Mapping[str, Mapping[str, tuple[str, ...]]] = GRANTS,

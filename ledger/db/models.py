@@ -394,6 +394,8 @@ class ReverificationPolicy(Base):
     min_age_seconds: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
     max_age_seconds: Mapped[int | None] = mapped_column(Integer)
     enabled: Mapped[bool] = mapped_column(nullable=False, server_default="true")
+    #: a run whose drift rate (per fingerprint and model) exceeds this raises an alert
+    drift_alert_threshold: Mapped[float | None] = mapped_column()
     created_by: Mapped[str] = mapped_column(Text, nullable=False)
     created_at: Mapped[datetime] = _now()
     first_window_start: Mapped[datetime] = mapped_column(DateTime(timezone=True),
@@ -401,7 +403,27 @@ class ReverificationPolicy(Base):
     __table_args__ = (
         CheckConstraint("interval_seconds >= 1", name="interval"),
         CheckConstraint("(sample_size IS NULL) <> (sample_rate IS NULL)", name="sample"),
+        CheckConstraint("drift_alert_threshold IS NULL OR (drift_alert_threshold >= 0 AND "
+                        "drift_alert_threshold <= 1)", name="drift_alert_threshold"),
     )
+
+
+class Alert(Base):
+    """A webhook alert (drift above a policy's threshold, a failed fingerprint gate): one
+    row per alert, retried by ``ledger beat`` until delivered (LEDGER_WEBHOOK_URL)."""
+
+    __tablename__ = "alerts"
+    id: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=True)
+    kind: Mapped[str] = mapped_column(Text, nullable=False)
+    ref: Mapped[str] = mapped_column(Text, nullable=False)
+    body: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    created_at: Mapped[datetime] = _now()
+    attempts: Mapped[int] = mapped_column(Integer, nullable=False, server_default="0")
+    next_attempt_at: Mapped[datetime] = _now()
+    delivered_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    __table_args__ = (UniqueConstraint("kind", "ref"),
+                      CheckConstraint("kind IN ('drift', 'gate_failed')", name="kind"))
 
 
 class ReverificationRun(Base):

@@ -1,7 +1,8 @@
 """Start-up refusals: a long-running process must not run with more than its part.
 
-``ledger serve``, ``ledger beat`` and ``ledger worker`` call :func:`startup_problems`
-before they do anything else; every problem is one line naming the setting to change.
+``ledger serve``, ``ledger beat`` and ``ledger worker`` call :func:`enforce` (which runs
+``ledger check``) before they do anything else; every problem is one line naming the
+setting to change.
 The database side looks at ``session_user`` (who logged in), not ``current_user``: a
 ``SET ROLE`` (``LEDGER_DATABASE_ROLE``) can be undone by anyone who holds the connection,
 so it does not count as dropping superuser.
@@ -11,9 +12,9 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 
 from sqlalchemy import Engine, text
-from sqlalchemy.exc import OperationalError
 
 from ledger.db.grants import COMPONENT_ROLES
 from ledger.settings import Settings
@@ -58,40 +59,6 @@ def check_runtime_role(engine: Engine, component: str) -> list[str]:
     return problems
 
 
-def settings_problems(settings: Settings, component: str, *,
-                      worker_key_given: bool = False) -> list[str]:
-    """The secrets ``component`` needs to do its part, one line per missing setting."""
-    problems = []
-    if component == "api":
-        if not settings.api_key_pepper.get_secret_value():
-            problems.append("set LEDGER_API_KEY_PEPPER to a long random secret (API keys are "
-                            "stored as HMAC-SHA256 with it)")
-        if settings.integrate_in_api and settings.log_key_file is None:
-            problems.append("set LEDGER_LOG_KEY_FILE to the log's private key, or "
-                            "LEDGER_INTEGRATE_IN_API=false where `ledger beat` integrates")
-    elif component == "beat":
-        if settings.log_key_file is None:
-            problems.append("set LEDGER_LOG_KEY_FILE to the log's private key (the beat "
-                            "runs the integrator)")
-    elif component == "worker" and settings.worker_key_file is None and not worker_key_given:
-        problems.append("set LEDGER_WORKER_KEY_FILE (or --key) to this worker's private key")
-    return problems
-
-
-def startup_problems(settings: Settings, engine: Engine, component: str, *,
-                     worker_key_given: bool = False) -> list[str]:
-    """Settings first (no database needed to say a secret is missing), then the login.
-    A database that cannot be reached is not a problem here: the process's own retry
-    logic handles outages."""
-    problems = settings_problems(settings, component, worker_key_given=worker_key_given)
-    try:
-        problems += check_runtime_role(engine, component)
-    except OperationalError as exc:
-        log.warning("could not check the database login (%s); the database is unreachable "
-                    "now", type(exc).__name__)
-    return problems
-
-
 def insecure_dev_warning(problems: list[str]) -> str:
     """The one line ``--insecure-dev`` prints: what it allows, and what it let through."""
     found = "; ".join(problems) if problems else "none found"
@@ -101,16 +68,25 @@ def insecure_dev_warning(problems: list[str]) -> str:
 
 
 def enforce(settings: Settings, engine: Engine, component: str, *,
-            worker_key_given: bool = False) -> None:
-    """Refuse to start (exit code 2, one line per problem on stderr) unless the process
-    has exactly its part; with ``insecure_dev`` print one warning line instead."""
-    problems = startup_problems(settings, engine, component, worker_key_given=worker_key_given)
+            worker_key: Path | None = None, register_key: bool = False) -> None:
+    """Run ``ledger check COMPONENT`` (:func:`ledger.services.checks.check`) and refuse to
+    start (exit code 2, one line per problem on stderr) on any problem with this process's
+    own configuration; with ``insecure_dev`` what it allows becomes one warning line.
+    Other services being down now (database, broker) is a warning: processes retry."""
+    from ledger.services.checks import check, refusals
+
+    command = "serve" if component == "api" else component
+    problems = check(settings, command, engine=engine, worker_key=worker_key,
+                     register_key=register_key)
+    refused = refusals(problems, insecure_dev=settings.insecure_dev)
     if settings.insecure_dev:
-        print(insecure_dev_warning(problems), file=sys.stderr, flush=True)
-        return
-    if problems:
-        for line in problems:
-            command = "serve" if component == "api" else component
-            print(f"ledger {command}: refusing to start: {line}", file=sys.stderr,
+        let_through = [p.line() for p in problems if p.kind == "insecure"]
+        print(insecure_dev_warning(let_through), file=sys.stderr, flush=True)
+    if refused:  # only what stops it, one line each
+        for p in refused:
+            print(f"ledger {command}: refusing to start: {p.line()}", file=sys.stderr,
                   flush=True)
         raise SystemExit(2)
+    for p in problems:
+        if p.kind in ("advice", "transient"):
+            print(f"ledger {command}: warning: {p.line()}", file=sys.stderr, flush=True)

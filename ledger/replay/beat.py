@@ -1,7 +1,8 @@
 """`ledger beat`: the one scheduler. Each tick it runs the outbox sweeper (routing and
-re-publishing jobs), samples due re-verification windows and starts fingerprint-change
-gates. Exactly one runs: it holds a Postgres advisory lock for its lifetime, and a second
-beat waits for the lock instead of ticking beside the first."""
+re-publishing jobs), samples due re-verification windows, starts fingerprint-change
+gates and sends alerts (drift above a policy threshold, failed gates) to the webhook.
+Exactly one runs: it holds a Postgres advisory lock for its lifetime, and a second beat
+waits for the lock instead of ticking beside the first."""
 
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ def tick(engine: Engine, publisher: Publisher | None, settings: Settings,
     out["gates"] = len(gate.check_new_fingerprints(engine, settings))
     if out["runs"] or out["gates"]:  # publish what they created without waiting a tick
         jobs.sweep(engine, publisher, settings, signer, actor="beat")
+    from ledger.replay import alerts
+
+    out.update(alerts.tick(engine, settings, signer))  # with LEDGER_WEBHOOK_URL only
     return out
 
 

@@ -42,9 +42,39 @@ def live_fingerprints(session: Session, settings: Settings) -> dict[str, list[st
     return out
 
 
-def no_worker_reason(fingerprint_id: str) -> str:
-    return (f"no live worker has fingerprint {fingerprint_id}; the job waits for one "
-            f"(start `ledger worker` on a node whose `ledger fingerprint` prints it)")
+def worker_command(runtime: dict[str, Any] | None) -> str:
+    """The commands that print and then serve ``runtime``'s fingerprint on a node like it
+    (the options `ledger fingerprint` and `ledger worker` share)."""
+    runtime = runtime or {}
+    opts = []
+    if runtime.get("engine") not in (None, "reference"):
+        opts.append(f"--engine {runtime['engine']}")
+    device = runtime.get("device") or "cpu"
+    if device != "cpu":
+        opts.append(f"--device {device}")
+    if runtime.get("dtype") not in (None, "float32"):
+        opts.append(f"--dtype {runtime['dtype']}")
+    if device == "cpu" and runtime.get("cpu_threads") not in (None, 1):
+        opts.append(f"--threads {runtime['cpu_threads']}")
+    if runtime.get("batch_invariant") is False:
+        opts.append("--no-batch-invariant")
+    shown = "".join(f" {o}" for o in opts)
+    worker_opts = "".join(f" {o}" for o in opts if o != "--no-batch-invariant")
+    return (f"`ledger fingerprint{shown}` prints it on a matching node; there run "
+            f"`ledger worker --models DIR{worker_opts}`")
+
+
+def no_worker_reason(fingerprint_id: str, runtime: dict[str, Any] | None = None) -> str:
+    return (f"no live worker has fingerprint {fingerprint_id}; the job waits for one: "
+            f"{worker_command(runtime)} (then `ledger beat` routes the job to it within "
+            "a tick)")
+
+
+def _reason(session: Session, fingerprint_id: str) -> str:
+    from ledger.db.models import Fingerprint
+
+    row = session.get(Fingerprint, fingerprint_id)
+    return no_worker_reason(fingerprint_id, row.runtime if row is not None else None)
 
 
 def create_job(session: Session, *, fingerprint_id: str, kind: str,
@@ -55,7 +85,7 @@ def create_job(session: Session, *, fingerprint_id: str, kind: str,
     live = live_fingerprints(session, settings)
     state = "queued" if fingerprint_id in live else "awaiting_worker"
     job = ReplayJob(id=uuid.uuid4(), fingerprint_id=fingerprint_id, kind=kind, state=state,
-                    state_reason=None if state == "queued" else no_worker_reason(fingerprint_id),
+                    state_reason=None if state == "queued" else _reason(session, fingerprint_id),
                     priority=priority, max_attempts=settings.replay_max_attempts,
                     tolerance=tolerance, run_id=run_id)
     session.add(job)
@@ -131,7 +161,7 @@ def sweep(engine: Engine, publisher: Publisher | None, settings: Settings,
                 _mirror(session, job, "queued", signer, actor, None)
             elif job.state == "queued" and not fp_live:
                 job.state = "awaiting_worker"
-                job.state_reason = no_worker_reason(job.fingerprint_id)
+                job.state_reason = _reason(session, job.fingerprint_id)
                 report.awaiting.append(str(job.id))
                 _mirror(session, job, "awaiting_worker", signer, actor, job.state_reason)
             if job.state == "queued" and (

@@ -16,7 +16,7 @@ from collections import Counter, defaultdict
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Engine, func, select, text
+from sqlalchemy import Engine, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
@@ -145,10 +145,12 @@ def report(session: Session, run_id: str) -> dict[str, Any]:
         raise NotFound(f"no re-verification run {run_id}")
     job_rows = session.execute(select(ReplayJob.id, ReplayJob.state, ReplayJob.fingerprint_id)
                                .where(ReplayJob.run_id == rid)).all()
+    # the replay's runtime (the job's fingerprint): for a gate, the NEW fingerprint, which
+    # the drift is about; for a policy run the same as the envelope's
     verdicts = session.execute(
         select(Verdict.request_id, Verdict.outcome, Verdict.tier, Verdict.verdict_id,
-               Verdict.details, Envelope.fingerprint_id, Envelope.model_sha256,
-               Envelope.model_name)
+               Verdict.details, ReplayJob.fingerprint_id, Envelope.model_sha256,
+               Envelope.model_name, Envelope.fingerprint_id.label("recorded_fingerprint"))
         .join(Envelope, Envelope.log_index == Verdict.envelope_index)
         .join(ReplayJob, ReplayJob.id == Verdict.job_id)
         .where(ReplayJob.run_id == rid)).all()
@@ -167,16 +169,80 @@ def report(session: Session, run_id: str) -> dict[str, Any]:
                 for v in verdicts if v.outcome == "diverged"]
     pending = sum(1 for j in job_rows if j.state not in ("done", "poisoned", "failed"))
     total_jobs = len(job_rows)
-    return {
+    complete = pending == 0 and len(verdicts) >= run.sampled
+    out = {
         "id": str(run.id), "kind": run.kind,
         "policy_id": str(run.policy_id) if run.policy_id else None,
         "window_start": run.window_start, "window_end": run.window_end,
         "created_at": run.created_at, "sampled": run.sampled, "details": run.details,
         "jobs": {"total": total_jobs, "pending": pending},
-        "complete": pending == 0 and len(verdicts) >= run.sampled,
+        "complete": complete,
         "counts": dict(outcomes), "tiers": dict(tiers),
         "drift": per_group, "diverged": diverged,
+        "summary": comparison_summary([v.details for v in verdicts]),
     }
+    if run.kind == "gate":
+        out["gate"] = {"new_fingerprint": run.details.get("new_fingerprint"),
+                       "baseline_fingerprint": run.details.get("baseline_fingerprint"),
+                       "passed": gate_passed(out) if complete else None}
+    return out
+
+
+def comparison_summary(details: list[dict[str, Any]]) -> dict[str, Any]:
+    """Over a run's verdicts: steps compared, max and median of each verdict's max |logprob
+    difference| (before any divergence), and the first-divergence positions."""
+    diffs = sorted(float(d["max_abs_logprob_diff"]) for d in details
+                   if d.get("max_abs_logprob_diff") is not None)
+    positions = sorted(int((d.get("first_divergence") or {})["index"]) for d in details
+                       if (d.get("first_divergence") or {}).get("index") is not None)
+    median = None
+    if diffs:
+        mid = len(diffs) // 2
+        median = diffs[mid] if len(diffs) % 2 else (diffs[mid - 1] + diffs[mid]) / 2
+    return {"replays": len(details),
+            "steps_compared": sum(int(d.get("steps_compared") or 0) for d in details),
+            "max_abs_logprob_diff": diffs[-1] if diffs else None,
+            "median_abs_logprob_diff": median,
+            "first_divergence_positions": positions}
+
+
+def gate_passed(report_: dict[str, Any]) -> bool:
+    """A gate passes when every golden envelope reproduced (at the tolerance tier or
+    better): no divergence, nothing unverifiable, no engine error."""
+    counts = report_["counts"]
+    return bool(counts) and set(counts) == {"reproduced"}
+
+
+def set_policy_enabled(session: Session, policy_id: str, enabled: bool) -> ReverificationPolicy:
+    """Pause (False) or resume (True) a policy: a paused one claims no window; resuming
+    does not back-fill the windows that ended meanwhile beyond ``max_age``."""
+    policy = get_policy(session, policy_id, lock=True)
+    policy.enabled = enabled
+    session.flush()
+    return policy
+
+
+def delete_policy(session: Session, policy_id: str) -> str:
+    """Delete a policy; its runs stay, with their reports, detached (``policy_id`` null,
+    the policy's name in ``details``). Returns the name."""
+    policy = get_policy(session, policy_id, lock=True)
+    session.execute(update(ReverificationRun).where(
+        ReverificationRun.policy_id == policy.id).values(policy_id=None))
+    name = policy.name
+    session.delete(policy)
+    session.flush()
+    return name
+
+
+def get_policy(session: Session, policy_id: str, *, lock: bool = False) -> ReverificationPolicy:
+    try:
+        pid = uuid.UUID(policy_id)
+    except ValueError as exc:
+        raise NotFound(f"no re-verification policy {policy_id}") from exc
+    policy = session.get(ReverificationPolicy, pid, with_for_update=lock)
+    if policy is None:
+        raise NotFound(f"no re-verification policy {policy_id}")
+    return policy
 
 
 def count_runs(session: Session, policy_id: uuid.UUID) -> int:

@@ -257,3 +257,50 @@ def test_auditor_exports_over_the_api(small_log: Log, tmp_path: Path) -> None:
     assert denied.status_code == 403
     assert any(e["action"] == "export" for e in events)
     del keys
+
+
+def test_an_empty_export_fails_unless_allowed_and_verify_says_what_it_verified(
+        small_log: Log, tmp_path: Path) -> None:
+    """Issue 13: `--model-sha256 deadbeef` wrote 0 records and verify said OK."""
+    empty = tmp_path / "empty.jsonl"
+    r = ledger("export", "--out", str(empty), "--model-sha256", "deadbeef", env=small_log.env)
+    assert r.returncode == 2 and not empty.exists(), r.stdout + r.stderr
+    assert "matched no records" in r.stderr and "--allow-empty" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = ledger("export", "--out", str(empty), "--model-sha256", "deadbeef", "--allow-empty",
+               env=small_log.env)
+    assert r.returncode == 0 and empty.exists(), r.stderr
+
+    bundle = tmp_path / "bundle.jsonl"
+    assert ledger("export", "--out", str(bundle), env=small_log.env).returncode == 0
+    vkey = format_verifier_key(ORIGIN, small_log.signer.public_key)
+    ok = ledger("verify", str(bundle), "--log-key", vkey, env={})
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    text = " ".join(ok.stdout.replace("│", " ").split())
+    assert f"envelope records verified {N}" in text, text
+    assert f"checkpoint tree size {N}" in text
+    with psycopg.connect(small_log.pg_url) as conn:
+        size_root = conn.execute("SELECT root_hash FROM checkpoints WHERE tree_size = %s",
+                                 (N,)).fetchone()
+    assert f"checkpoint root {bytes(size_root[0]).hex()}" in text, text
+    from ledger.core.keys import key_id, public_raw
+
+    assert f"producer key {key_id(public_raw(small_log.producer))}" in text, text
+
+
+def test_apikey_list_and_revoke(small_log: Log) -> None:
+    made = ledger("apikey", "create", "--role", "reviewer", "--name", "ops-list",
+                  env=small_log.env)
+    assert made.returncode == 0, made.stderr
+    listed = ledger("apikey", "list", env=small_log.env)
+    row = next(ln for ln in listed.stdout.splitlines() if "ops-list" in ln)
+    key_id_ = row.split("│")[1].strip()
+    assert "reviewer" in row and row.rstrip("│ ").endswith("-"), row
+    revoked = ledger("apikey", "revoke", key_id_, env=small_log.env)
+    assert revoked.returncode == 0, revoked.stderr
+    row = next(ln for ln in ledger("apikey", "list", env=small_log.env).stdout.splitlines()
+               if "ops-list" in ln)
+    assert not row.rstrip("│ ").endswith("-"), row  # a revocation time now
+    missing = ledger("apikey", "revoke", "00000000-0000-0000-0000-000000000000",
+                     env=small_log.env)
+    assert missing.returncode == 2 and "ledger apikey list" in missing.stderr

@@ -16,7 +16,8 @@ ENGINE_VERSION = "0.1.0"
 if TYPE_CHECKING:
     from workers.engine.reference import ReferenceEngine
 
-__all__ = ["ENGINE_VERSION", "ReferenceEngine", "load_engine"]
+__all__ = ["DEFAULT_CPU_THREADS", "ENGINE_VERSION", "ReferenceEngine", "load_engine",
+           "node_runtime", "set_cpu_threads"]
 
 
 #: CPU intra-op threads by default. The thread count changes CPU reduction order, so it is
@@ -36,13 +37,36 @@ def load_engine(
     """
     from workers.engine.reference import ReferenceEngine
 
+    set_cpu_threads(device, threads)
+    return ReferenceEngine.from_dir(model, device=device, dtype=dtype,
+                                    batch_invariant=batch_invariant)
+
+
+def set_cpu_threads(device: str, threads: int | None) -> None:
+    """torch's intra-op threads for this process on CPU (part of the fingerprint): what
+    ``load_engine``, ``ledger worker`` and ``ledger fingerprint`` all call, so they agree."""
     if threads is not None and str(device).startswith("cpu"):
         import torch
 
         torch.set_num_threads(threads)
 
-    return ReferenceEngine.from_dir(model, device=device, dtype=dtype,
-                                    batch_invariant=batch_invariant)
+
+def node_runtime(engine: str = "reference", *, device: str = "cpu", dtype: str = "float32",
+                 batch_invariant: bool = True, threads: int | None = DEFAULT_CPU_THREADS,
+                 tensor_parallel_size: int = 1, max_num_seqs: int | None = None) -> dict[str, Any]:
+    """The runtime (fingerprint input) a worker with these options has, without a model:
+    ``ledger fingerprint`` prints its hash, ``ledger check worker`` compares it."""
+    if engine == "reference":
+        from workers.engine.runtime import reference_runtime
+
+        set_cpu_threads(device, threads)
+        return reference_runtime(device, dtype, batch_invariant)
+    if engine == "vllm":
+        from workers.engine.vllm_adapter import MAX_SERVE_SEQS, vllm_runtime
+
+        return vllm_runtime(dtype=dtype, tensor_parallel_size=tensor_parallel_size,
+                            device=device, max_num_seqs=max_num_seqs or MAX_SERVE_SEQS)
+    raise ValueError(f"unknown engine {engine!r} (reference | vllm)")
 
 
 def __getattr__(name: str) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from starlette.applications import Starlette
@@ -26,6 +27,21 @@ from workers.engine.api import Engine
 from workers.serve import openai_api as oa
 from workers.serve.batcher import EngineBatcher
 from workers.serve.tokenizer import ByteTokenizer
+
+
+def _closing(batcher: EngineBatcher) -> Any:
+    """The app's lifespan: close the batcher on shutdown (``on_shutdown`` is gone from
+    Starlette 1.x; a lifespan works on 0.x and 1.x)."""
+
+    @asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            batcher.close()
+
+    return lifespan
+
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
 
@@ -139,7 +155,7 @@ def create_app(engine: Engine, *, served_model_name: str, tokenizer: ByteTokeniz
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/ledger/fingerprint", fingerprint_route, methods=["GET"]),
-    ], on_shutdown=[batcher.close])
+    ], lifespan=_closing(batcher))
     app.state.batcher = batcher
     app.state.fingerprint = fingerprint
     return app

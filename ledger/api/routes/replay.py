@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
@@ -82,6 +82,9 @@ class PolicyIn(BaseModel):
     first_window_start: datetime | None = Field(
         default=None, description="default: now (only future windows are sampled)")
     enabled: bool = True
+    drift_alert_threshold: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="Alert (LEDGER_WEBHOOK_URL) when a run's "
+        "drift rate for a (fingerprint, model) exceeds this.")
 
     @model_validator(mode="after")
     def _one_sampling_rule(self) -> PolicyIn:
@@ -352,6 +355,7 @@ def policy_out(p: ReverificationPolicy) -> dict[str, Any]:
             "model_sha256": p.model_sha256, "fingerprint_id": p.fingerprint_id,
             "channel": p.channel, "min_age_seconds": p.min_age_seconds,
             "max_age_seconds": p.max_age_seconds, "enabled": p.enabled,
+            "drift_alert_threshold": p.drift_alert_threshold,
             "created_by": p.created_by, "created_at": p.created_at,
             "first_window_start": p.first_window_start}
 
@@ -389,6 +393,35 @@ def list_policies(_: Principal = Depends(require("policies:read")),
         ReverificationPolicy.created_at)).all()
     return _json([{**policy_out(p), "runs": reverification.count_runs(session, p.id)}
                   for p in rows])
+
+
+class PolicyPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = Field(description="false pauses the policy, true resumes it")
+
+
+@router.patch("/reverification-policies/{policy_id}", tags=["re-verification"],
+              summary="Pause or resume a policy (admin; recorded as an admin action)")
+def patch_policy(policy_id: DisputeIdPath, body: PolicyPatch,
+                 principal: Principal = Depends(require("policies:write")),
+                 session: Session = Depends(get_session)) -> Any:
+    policy = reverification.set_policy_enabled(session, policy_id, body.enabled)
+    audit.record(session, principal, "policy.resume" if body.enabled else "policy.pause",
+                 policy_id, name=policy.name)
+    session.commit()
+    return _json(policy_out(policy))
+
+
+@router.delete("/reverification-policies/{policy_id}", status_code=204,
+               tags=["re-verification"], response_class=Response,
+               summary="Delete a policy; its runs and reports stay (admin; recorded)")
+def delete_policy(policy_id: DisputeIdPath,
+                  principal: Principal = Depends(require("policies:write")),
+                  session: Session = Depends(get_session)) -> Response:
+    name = reverification.delete_policy(session, policy_id)
+    audit.record(session, principal, "policy.delete", policy_id, name=name)
+    session.commit()
+    return Response(status_code=204)
 
 
 @router.get("/reverification-runs", tags=["re-verification"],
