@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from ledger.core.fingerprint import replay_queue
 from ledger.db.session import make_engine, session_scope
@@ -48,8 +49,9 @@ def build_worker(settings: Settings, *, models: list[str], engine_name: str, dev
 def serve(worker: ReplayWorker, settings: Settings, *, loglevel: str = "INFO") -> None:
     app = make_celery(settings)
 
-    @app.task(name=TASK_REPLAY, bind=True, acks_late=True, reject_on_worker_lost=True)
-    def replay_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
+    @app.task(name=TASK_REPLAY, bind=True, acks_late=True,  # type: ignore[untyped-decorator]
+              reject_on_worker_lost=True)  # Celery's decorator has no type hints
+    def replay_job(self: Any, job_id: str) -> str:
         return worker.run_job(job_id)
 
     worker.register()

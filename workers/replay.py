@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from ledger import __version__
@@ -44,8 +44,7 @@ from ledger.core.compare import Side, compare
 from ledger.core.envelope import Limits, index_fields, parse_statement
 from ledger.core.errors import KeyError_, LedgerError
 from ledger.core.fingerprint import fingerprint_id as compute_fingerprint_id
-from ledger.core.logentry import dsse_digest, log_entry_bytes
-from ledger.core.merkle import leaf_hash, verify_inclusion
+from ledger.core.logentry import verify_record_included
 from ledger.core.note import NoteVerifier, open_checkpoint
 from ledger.core.registry import RegisteredKey
 from ledger.core.trust import TrustPolicy, load_trust_policy
@@ -206,7 +205,7 @@ class ReplayWorker:
 
     def heartbeat_once(self) -> None:
         with session_scope(self.db) as session:
-            session.execute(Worker.__table__.update().where(
+            session.execute(update(Worker).where(
                 Worker.worker_id == self.worker_id).values(last_heartbeat=datetime.now(UTC)))
 
     def start_heartbeat(self) -> None:
@@ -224,7 +223,7 @@ class ReplayWorker:
         self._stop.set()
         try:
             with session_scope(self.db) as session:
-                session.execute(Worker.__table__.update().where(
+                session.execute(update(Worker).where(
                     Worker.worker_id == self.worker_id).values(stopped_at=datetime.now(UTC)))
         except Exception as exc:  # noqa: BLE001
             log.warning("could not mark the worker stopped: %s", exc)
@@ -362,12 +361,10 @@ class ReplayWorker:
                 checkpoint = open_checkpoint(receipt.checkpoint.note,
                                              self._log_verifiers(session),
                                              origin=self.settings.log_name)
-                want = log_entry_bytes("envelope", item.request_id,
-                                       dsse_digest(envelope.canonical_bytes()))
-                if want != receipt.entry:
-                    raise LedgerError("the log entry does not commit to this envelope")
-                verify_inclusion(leaf_hash(want), item.envelope_index, checkpoint.size,
-                                 receipt.proof, checkpoint.root_hash)
+                verify_record_included("envelope", item.request_id,
+                                       envelope.canonical_bytes(), item.envelope_index,
+                                       checkpoint.size, checkpoint.root_hash, receipt.proof,
+                                       served_entry=receipt.entry)
             except LedgerError as exc:
                 prep.problem = f"not verifiably in the log: {exc.message}"
                 return prep

@@ -203,7 +203,7 @@ class MetricsListener:
         registry = REGISTRY
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by `ledger serve --workers N`
             registry = CollectorRegistry()
-            prom_multiprocess.MultiProcessCollector(registry)
+            prom_multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         while not self._stop.is_set():
             try:
                 server, _ = start_http_server(self.port, addr=self.host, registry=registry)

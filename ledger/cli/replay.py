@@ -49,7 +49,8 @@ def worker_command(
     finally:
         check_engine.dispose()
     from workers.celery_worker import build_worker, serve
-    from workers.replay import NoTrustPolicy, SelfCheckFailed
+    from workers.engine.selfcheck import SelfCheckFailed
+    from workers.replay import NoTrustPolicy
 
     try:
         worker = build_worker(settings, models=models, engine_name=engine, device=device,

@@ -45,7 +45,7 @@ def window_start_for(policy: ReverificationPolicy, at: datetime) -> datetime:
 def due_windows(policy: ReverificationPolicy, claimed: set[datetime],
                 now: datetime) -> list[datetime]:
     step = timedelta(seconds=policy.interval_seconds)
-    out = []
+    out: list[datetime] = []
     start = policy.first_window_start
     if policy.max_age_seconds is not None:  # never look further back than max_age
         floor = now - timedelta(seconds=policy.max_age_seconds)
