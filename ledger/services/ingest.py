@@ -36,6 +36,7 @@ from ledger.core import dsse
 from ledger.core.envelope import IndexFields, Limits, index_fields, parse_statement
 from ledger.core.errors import FormatError, LedgerError, ValidationFailed
 from ledger.db.models import SigningKey
+from ledger.db.session import raw_cursor
 from ledger.services import sequencer
 from ledger.services.keys import KeyRing, load_keyring
 from ledger.settings import Settings
@@ -269,9 +270,7 @@ def ingest_batch(session: Session, raw_items: Sequence[Any], settings: Settings,
     prepared, failures = decode_items(raw_items, settings, session)
     results: list[ItemResult | None] = [None] * n
     new_rows: list[tuple[int, Prepared]] = []
-    conn = session.connection().connection.driver_connection
-    assert conn is not None
-    with conn.cursor() as cur:
+    with raw_cursor(session) as cur:
         if any(p is not None for p in prepared):
             size = sequencer.lock(cur)
             results, new_rows = _classify(cur, size, prepared)

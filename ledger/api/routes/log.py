@@ -28,10 +28,11 @@ from ledger.api.schemas import COMMON_RESPONSES
 from ledger.core.errors import ValidationFailed
 from ledger.core.note import format_verifier_key
 from ledger.core.tiles import EntryBundle, Tile, encode_entry_bundle, parse_tile_path, tile_width
+from ledger.db.session import raw_cursor
 from ledger.errors import NotFound
 from ledger.log import proofs, witnessing
 from ledger.log.export import Selection, bundle_lines
-from ledger.log.store import PgTileReader, entries, latest_checkpoint
+from ledger.log.store import PgTileReader, entries, integrated_size, latest_checkpoint
 from ledger.services import audit
 from ledger.services import envelopes as envelope_service
 from ledger.services.apikeys import Principal
@@ -43,25 +44,13 @@ IMMUTABLE = {"Cache-Control": "public, max-age=31536000, immutable"}
 NO_CACHE = {"Cache-Control": "no-cache"}
 
 
-def _cursor(session: Session) -> Any:
-    conn = session.connection().connection.driver_connection
-    assert conn is not None
-    return conn.cursor()
-
-
-def _integrated_size(cur: Any) -> int:
-    cur.execute("SELECT size FROM log_tree WHERE id = 1")
-    row = cur.fetchone()
-    return int(row[0]) if row else 0
-
-
 @router.get("/log/checkpoint", tags=["tlog-tiles"], response_class=Response,
             summary="The latest signed checkpoint (C2SP tlog-checkpoint signed note)",
             responses={200: {"content": {"text/plain; charset=utf-8": {}}}})
 def tlog_checkpoint(session: Session = Depends(get_session)) -> Response:
     """The log's signature first, then the witnesses' cosignatures (C2SP tlog-cosignature)
     stored for this checkpoint: readers that know only the log key ignore them."""
-    with _cursor(session) as cur:
+    with raw_cursor(session) as cur:
         cp = latest_checkpoint(cur)
     if cp is None:
         raise proofs.NotYetIntegrated("the log has no checkpoint yet")
@@ -132,7 +121,7 @@ class WitnessesOut(BaseModel):
 def log_witnesses(request: Request, session: Session = Depends(get_session),
                   _: Principal = Depends(require("log:read")),  # errors may name hosts
                   ) -> WitnessesOut:
-    with _cursor(session) as cur:
+    with raw_cursor(session) as cur:
         cp = latest_checkpoint(cur)
     keys = {e.name: e.key.verifier_key
             for e in witnessing.witness_endpoints(request.app.state.settings)}
@@ -150,8 +139,8 @@ def log_witnesses(request: Request, session: Session = Depends(get_session),
 def tlog_tile(path: Annotated[str, Path(max_length=200)],
               session: Session = Depends(get_session)) -> Response:
     tile = parse_tile_path("tile/" + path)
-    with _cursor(session) as cur:
-        size = _integrated_size(cur)
+    with raw_cursor(session) as cur:
+        size = integrated_size(cur)
         level = tile.level if isinstance(tile, Tile) else 0
         available = tile_width(level, tile.index, size)
         if tile.width > available or (tile.width == 256 and available < 256):
@@ -171,7 +160,7 @@ def tlog_tile(path: Annotated[str, Path(max_length=200)],
 def checkpoint_json(session: Session = Depends(get_session)) -> dict[str, Any]:
     from ledger.log.signer import log_verifiers
 
-    with _cursor(session) as cur:
+    with raw_cursor(session) as cur:
         cp = latest_checkpoint(cur)
     if cp is None:
         raise proofs.NotYetIntegrated("the log has no checkpoint yet")
