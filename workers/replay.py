@@ -47,6 +47,7 @@ from ledger.core.fingerprint import fingerprint_id as compute_fingerprint_id
 from ledger.core.logentry import verify_record_included
 from ledger.core.note import NoteVerifier, open_checkpoint
 from ledger.core.registry import RegisteredKey
+from ledger.core.states import DISPUTE_DECIDED, DisputeState, JobState
 from ledger.core.trust import TrustPolicy, load_trust_policy
 from ledger.db.models import Envelope, ReplayJob, ReplayJobItem, SigningKey, Worker
 from ledger.db.session import session_scope
@@ -255,13 +256,13 @@ class ReplayWorker:
                                            settings=self.settings)
             if claim.action == "poison" and job is not None:
                 self._conclude(session, job, [], outcome_all=("error", claim.reason),
-                               state="poisoned")
+                               state=JobState.POISONED)
             if claim.action == "run" and job is not None:
                 for d in job_service.job_disputes(session, job.id):
-                    if d.state not in ("verdict", "resolved"):
+                    if d.state not in DISPUTE_DECIDED:
                         disputes.emit(session, d, "replaying", self.worker_id, self.signer,
                                       {"job_id": job_id, "attempt": claim.attempt},
-                                      state="replaying")
+                                      state=DisputeState.REPLAYING)
         if claim.action != "run":
             log.info("job %s: %s (%s)", job_id, claim.action, claim.reason)
             return claim.action
@@ -272,16 +273,16 @@ class ReplayWorker:
         except Exception as exc:
             log.exception("job %s failed", job_id)
             self._failed(job_id, f"{type(exc).__name__}: {exc}")
-            return "failed"
+            return JobState.FAILED
         duration_ms = (time.perf_counter() - started) * 1000
         with session_scope(self.db) as session:
             job = session.get(ReplayJob, uuid.UUID(job_id), with_for_update=True)
             assert job is not None
-            if job.state != "running" or job.worker_id != self.worker_id:
+            if job.state != JobState.RUNNING or job.worker_id != self.worker_id:
                 return "skip"  # the sweeper gave it to another worker meanwhile
             self._conclude(session, job, list(zip(prepared, results, strict=True)),
                            duration_ms=duration_ms)
-        return "done"
+        return JobState.DONE
 
     def _prepare(self, job_id: str) -> list[Prepared]:
         with session_scope(self.db) as session:
@@ -450,7 +451,7 @@ class ReplayWorker:
     def _conclude(self, session: Any, job: ReplayJob,
                   pairs: list[tuple[Prepared, GenerationResult | None]], *,
                   duration_ms: float = 0.0, outcome_all: tuple[str, str] | None = None,
-                  state: str = "done") -> None:
+                  state: str = JobState.DONE) -> None:
         """Sign and store every verdict, finish the job: one transaction."""
         if outcome_all is not None:
             items = list(session.scalars(select(ReplayJobItem).where(
@@ -480,14 +481,14 @@ class ReplayWorker:
         attempts are spent."""
         with session_scope(self.db) as session:
             job = session.get(ReplayJob, uuid.UUID(job_id), with_for_update=True)
-            if job is None or job.state != "running" or job.worker_id != self.worker_id:
+            if job is None or job.state != JobState.RUNNING or job.worker_id != self.worker_id:
                 return
             if job.attempts >= job.max_attempts:
                 self._conclude(session, job, [], outcome_all=(
                     "error", f"engine failure after {job.attempts} attempts: {error}"),
-                    state="failed")
+                    state=JobState.FAILED)
                 return
-            job_service.finish(session, job, state="queued", worker_id=self.worker_id,
+            job_service.finish(session, job, state=JobState.QUEUED, worker_id=self.worker_id,
                                detail=error, attempt_outcome="error")
             job.finished_at, job.worker_id, job.published_at = None, None, None
             job.state_reason = f"attempt {job.attempts} failed: {error}"

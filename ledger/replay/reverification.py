@@ -20,6 +20,7 @@ from sqlalchemy import Engine, func, select, text
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
+from ledger.core.states import JOB_FINISHED, VerdictOutcome
 from ledger.db.models import (
     Envelope,
     ReplayJob,
@@ -153,19 +154,20 @@ def report(session: Session, run_id: str) -> dict[str, Any]:
         .join(ReplayJob, ReplayJob.id == Verdict.job_id)
         .where(ReplayJob.run_id == rid)).all()
     outcomes = Counter(v.outcome for v in verdicts)
-    tiers = Counter(v.tier for v in verdicts if v.outcome == "reproduced")
+    tiers = Counter(v.tier for v in verdicts if v.outcome == VerdictOutcome.REPRODUCED)
     drift: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
     for v in verdicts:
         drift[(v.fingerprint_id, v.model_sha256)][v.outcome] += 1
     per_group = []
     for (fp, model), counts in sorted(drift.items()):
-        judged = counts["reproduced"] + counts["diverged"]
+        diverged_n = counts[VerdictOutcome.DIVERGED]
+        judged = counts[VerdictOutcome.REPRODUCED] + diverged_n
         per_group.append({"fingerprint_id": fp, "model_sha256": model, "counts": dict(counts),
-                          "drift_rate": (counts["diverged"] / judged) if judged else None})
+                          "drift_rate": (diverged_n / judged) if judged else None})
     diverged = [{"request_id": v.request_id, "verdict_id": v.verdict_id,
                  "first_divergence": (v.details.get("first_divergence") or {}).get("index")}
-                for v in verdicts if v.outcome == "diverged"]
-    pending = sum(1 for j in job_rows if j.state not in ("done", "poisoned", "failed"))
+                for v in verdicts if v.outcome == VerdictOutcome.DIVERGED]
+    pending = sum(1 for j in job_rows if j.state not in JOB_FINISHED)
     total_jobs = len(job_rows)
     return {
         "id": str(run.id), "kind": run.kind,
