@@ -169,6 +169,7 @@ class ApiKeyCreated(ApiKeyOut):
 
 
 class AuditEventOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
     id: int
     at: datetime
     actor: str

@@ -192,19 +192,22 @@ async def _receipts(request: Request, session: Session, indices: list[int],
             await asyncio.sleep(0.02)
 
 
+BATCH_DESCRIPTION = (
+    "Each item is verified and validated on its own. By default the valid items are "
+    "stored together in one transaction and invalid ones are reported per item "
+    "(`status` 4xx with a `problem`). Every item is held to the single-envelope limits "
+    "(an item over `max_envelope_bytes` is `status` 413). Repeats of stored envelopes "
+    "(same bytes) are `existing`; other bytes under a stored request_id are `conflict` "
+    "(409). With `atomic=true` any failed item, a conflict included, rejects the whole "
+    "batch and nothing is written: a `batch_rejected` problem (409, 413 or 422) names "
+    "the failed positions and carries the per-item results.")
+
+
 @router.post(
     "/envelopes/batch",
     response_model=BatchOut,
     summary="Ingest many envelopes; a result per item",
-    description=(
-        "Each item is verified and validated on its own. By default the valid items are "
-        "stored together in one transaction and invalid ones are reported per item "
-        "(`status` 4xx with a `problem`). Every item is held to the single-envelope limits "
-        "(an item over `max_envelope_bytes` is `status` 413). Repeats of stored envelopes "
-        "(same bytes) are `existing`; other bytes under a stored request_id are `conflict` "
-        "(409). With `atomic=true` any failed item, a conflict included, rejects the whole "
-        "batch and nothing is written: a `batch_rejected` problem (409, 413 or 422) names "
-        "the failed positions and carries the per-item results."),
+    description=BATCH_DESCRIPTION,
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/BatchIn"}}}}},
     responses={409: {"description": "Atomic batch rejected: request_id conflicts only",

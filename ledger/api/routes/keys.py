@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from ledger.api.auth import require
 from ledger.api.deps import get_session, get_settings_dep
+from ledger.api.params import Cursor, Limit
 from ledger.api.routing import StrictJsonRoute
 from ledger.api.schemas import (
     COMMON_RESPONSES,
@@ -73,10 +74,6 @@ def api_key_out(row: ApiKey) -> dict[str, Any]:
 def register_key(body: KeyIn, principal: Principal = Depends(require("keys:write")),
                  session: Session = Depends(get_session),
                  signer: Signer = Depends(registry_signer)) -> Any:
-    for field_name in ("not_before", "not_after"):
-        value = getattr(body, field_name)
-        if value is not None and value.tzinfo is None:
-            raise ValidationFailed(f"{field_name} needs a UTC offset", code="naive_time")
     if body.not_before and body.not_after and body.not_after <= body.not_before:
         raise ValidationFailed("not_after must be later than not_before", code="bad_window")
     raw = parse_public_key(body.public_key)
@@ -173,10 +170,12 @@ def change_api_key_role(key_id: ApiKeyIdPath, body: ApiKeyRoleIn,
 
 @router.get("/audit-events", response_model=AuditPage, tags=["audit"],
             summary="The append-only record of admin and reviewer actions")
-def list_audit_events(after: int = Query(0, ge=0, le=2**62), limit: int = Query(100, ge=1, le=1000),
+def list_audit_events(after: int = Query(0, ge=0, le=2**62, description="events after "
+                                        "this id (the older cursor, kept)"),
+                      limit: Limit = 100, cursor: Cursor = None,
                       _: Principal = Depends(require("audit:read")),
-                      session: Session = Depends(get_session)) -> Any:
-    rows = audit.list_events(session, after_id=after, limit=limit)
-    items = [{"id": r.id, "at": r.at, "actor": r.actor, "role": r.role, "action": r.action,
-              "target": r.target, "details": r.details} for r in rows]
-    return {"items": items, "next_after": rows[-1].id if len(rows) == limit else None}
+                      session: Session = Depends(get_session)) -> AuditPage:
+    found = audit.list_events(session, after_id=after, limit=limit, cursor=cursor)
+    last = found.items[-1].id if len(found.items) == limit else None
+    return AuditPage.model_validate({"items": found.items, "next_cursor": found.next_cursor,
+                                     "next_after": last})
