@@ -69,6 +69,11 @@ READ_LIMITS = Limits(max_prompt_tokens=10**7, max_output_tokens=10**7, max_token
                      max_top_logprobs=10**4)
 
 
+class Unverifiable(Exception):
+    """An item fails a check before replay: it gets an ``unverifiable`` verdict, with this
+    reason, and is not replayed."""
+
+
 class NoTrustPolicy(RuntimeError):
     """A worker without a trust policy (and without ``insecure_dev``) does not start."""
 
@@ -320,82 +325,103 @@ class ReplayWorker:
                     foreign_ok: bool = False) -> Prepared:
         """Signature, inclusion, fingerprint, artifacts, sampling: anything that fails makes
         the item unverifiable with the reason."""
+        self._maybe_crash(item)
+        prep = Prepared(item)
+        try:
+            with session_scope(self.db) as session:
+                envelope = self._signed_envelope(session, item, producers)
+                prep.checkpoint = self._check_in_log(session, item, envelope)
+            self._read_request(prep, envelope, foreign_ok=foreign_ok)
+        except Unverifiable as exc:
+            prep.problem = str(exc)
+        return prep
+
+    def _maybe_crash(self, item: ReplayJobItem) -> None:
+        """Fault injection (tests of poisoned jobs): die abruptly on one request ID."""
         fault = self.settings.fault_crash_on_request_id
         if fault and item.request_id == fault:
             log.error("fault injection: exiting abruptly while replaying %s", fault)
             os._exit(137)
-        prep = Prepared(item)
-        deadline = time.monotonic() + 30
-        with session_scope(self.db) as session:
-            env = session.get(Envelope, item.envelope_index)
-            if env is None:
-                prep.problem = "the envelope record is missing"
-                return prep
 
-            def producer_key(kid: str) -> bytes:
-                key = producers.get(kid)
-                if key is None:
-                    raise KeyError_(f"producer key {kid} is not vouched for by a registry "
-                                    "leaf signed by a trusted service key")
-                why = key.valid_at_index(item.envelope_index)
-                if why is not None:
-                    raise KeyError_(why)
-                return key.public_key
+    @staticmethod
+    def _signed_envelope(session: Any, item: ReplayJobItem,
+                         producers: dict[str, RegisteredKey]) -> dsse.Envelope:
+        """The stored envelope, its signature checked against a producer key this worker
+        believes (valid at the envelope's log index)."""
+        env = session.get(Envelope, item.envelope_index)
+        if env is None:
+            raise Unverifiable("the envelope record is missing")
 
+        def producer_key(kid: str) -> bytes:
+            key = producers.get(kid)
+            if key is None:
+                raise KeyError_(f"producer key {kid} is not vouched for by a registry "
+                                "leaf signed by a trusted service key")
+            why = key.valid_at_index(item.envelope_index)
+            if why is not None:
+                raise KeyError_(why)
+            return key.public_key
+
+        try:
+            envelope = dsse.envelope_from_json(bytes(env.dsse))
+            dsse.verify_envelope(envelope, producer_key)
+        except LedgerError as exc:
+            raise Unverifiable(f"bad signature: {exc.message}") from exc
+        return envelope
+
+    @staticmethod
+    def _receipt(session: Any, index: int, wait_s: float = 30) -> proofs.InclusionReceipt:
+        """The entry's inclusion proof, waiting up to ``wait_s`` for a checkpoint to
+        cover it."""
+        deadline = time.monotonic() + wait_s
+        while True:
             try:
-                envelope = dsse.envelope_from_json(bytes(env.dsse))
-                dsse.verify_envelope(envelope, producer_key)
-            except LedgerError as exc:
-                prep.problem = f"bad signature: {exc.message}"
-                return prep
-            while True:
-                try:
-                    receipt = proofs.inclusion(session, item.envelope_index)
-                    break
-                except proofs.NotYetIntegrated:
-                    session.rollback()
-                    if time.monotonic() > deadline:
-                        prep.problem = "the envelope is not in a signed checkpoint yet"
-                        return prep
-                    time.sleep(0.2)
-            try:
-                checkpoint = open_checkpoint(receipt.checkpoint.note,
-                                             self._log_verifiers(session),
-                                             origin=self.settings.log_name)
-                verify_record_included("envelope", item.request_id,
-                                       envelope.canonical_bytes(), item.envelope_index,
-                                       checkpoint.size, checkpoint.root_hash, receipt.proof,
-                                       served_entry=receipt.entry)
-            except LedgerError as exc:
-                prep.problem = f"not verifiably in the log: {exc.message}"
-                return prep
-            prep.checkpoint = {"tree_size": checkpoint.size,
-                               "root_hash": checkpoint.root_hash.hex()}
+                return proofs.inclusion(session, index)
+            except proofs.NotYetIntegrated:
+                session.rollback()
+                if time.monotonic() > deadline:
+                    raise Unverifiable("the envelope is not in a signed checkpoint yet") from None
+                time.sleep(0.2)
+
+    def _check_in_log(self, session: Any, item: ReplayJobItem,
+                      envelope: dsse.Envelope) -> dict[str, Any]:
+        """Check the envelope is in a checkpoint signed by a log key this worker trusts;
+        the checkpoint's size and root (hex)."""
+        receipt = self._receipt(session, item.envelope_index)
+        try:
+            checkpoint = open_checkpoint(receipt.checkpoint.note, self._log_verifiers(session),
+                                         origin=self.settings.log_name)
+            verify_record_included("envelope", item.request_id, envelope.canonical_bytes(),
+                                   item.envelope_index, checkpoint.size, checkpoint.root_hash,
+                                   receipt.proof, served_entry=receipt.entry)
+        except LedgerError as exc:
+            raise Unverifiable(f"not verifiably in the log: {exc.message}") from exc
+        return {"tree_size": checkpoint.size, "root_hash": checkpoint.root_hash.hex()}
+
+    def _read_request(self, prep: Prepared, envelope: dsse.Envelope, *,
+                      foreign_ok: bool) -> None:
+        """Parse the signed statement into the request to replay and the recorded side."""
         try:
             statement = parse_statement(envelope.payload, READ_LIMITS)
         except LedgerError as exc:
-            prep.problem = f"the envelope does not parse: {exc.message}"
-            return prep
+            raise Unverifiable(f"the envelope does not parse: {exc.message}") from exc
         p = statement.predicate
-        if not foreign_ok and index_fields(statement).fingerprint_id != self.fingerprint_id:
-            prep.problem = (f"the envelope's fingerprint {index_fields(statement).fingerprint_id}"
-                            f" is not this worker's {self.fingerprint_id}")
-            return prep
+        recorded_fp = index_fields(statement).fingerprint_id
+        if not foreign_ok and recorded_fp != self.fingerprint_id:
+            raise Unverifiable(f"the envelope's fingerprint {recorded_fp} is not this "
+                               f"worker's {self.fingerprint_id}")
         if p.artifacts.model_sha256 not in self.models:
-            prep.problem = (f"model {p.artifacts.model_sha256} ({p.artifacts.model_name}) is "
-                            "not on this worker")
-            return prep
-        sampling = p.sampling.model_dump()
+            raise Unverifiable(f"model {p.artifacts.model_sha256} ({p.artifacts.model_name}) "
+                               "is not on this worker")
         try:
-            params = SamplingParams.from_mapping(sampling)
+            params = SamplingParams.from_mapping(p.sampling.model_dump())
             from workers.engine.sampling import validate
 
             validate(params)
         except (ValueError, TypeError) as exc:
-            prep.problem = f"unsupported sampling contract: {exc}"
-            return prep
+            raise Unverifiable(f"unsupported sampling contract: {exc}") from exc
         prep.model_sha256 = p.artifacts.model_sha256
-        prep.request = GenerationRequest(id=item.request_id,
+        prep.request = GenerationRequest(id=prep.item.request_id,
                                          prompt_token_ids=tuple(p.prompt_token_ids),
                                          sampling=params)
         out = p.output
@@ -406,7 +432,6 @@ class ReplayWorker:
             logits_sha256=out.logits_sha256)
         prep.tier = p.tier
         prep.tolerance = p.tolerance.max_abs_logprob_diff if p.tolerance else None
-        return prep
 
     def _replay(self, prepared: list[Prepared]) -> list[GenerationResult | None]:
         """Run every replayable item, one batch per model, in job order."""
