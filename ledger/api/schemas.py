@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import fields as dataclass_fields
 from datetime import datetime
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from ledger.api.params import FINGERPRINT_PATTERN, AwareTime, RequestIdField
-from ledger.core.envelope import SHA256_HEX_PATTERN
+from ledger.core.envelope import SHA256_HEX_PATTERN, IndexFields
 from ledger.core.states import DisputeState, Priority, Resolution
 
 T = TypeVar("T")
@@ -86,20 +87,24 @@ class BatchOut(BaseModel):
     results: list[IngestResult]
 
 
-class IndexFieldsOut(BaseModel):
-    request_id: str
+class _StoredIndexFields(BaseModel):
+    """What the ledger adds to an envelope's own index fields when it stores it."""
+
     log_index: int
-    recorded_at: datetime
     ingested_at: datetime
-    channel: str
-    tier: str
-    model_sha256: str
-    model_name: str
-    fingerprint_id: str
-    prompt_tokens: int
-    output_tokens: int
     keyids: list[str]
     dsse_sha256: str
+
+
+#: An envelope's index columns: :class:`ledger.core.envelope.IndexFields` (from the signed
+#: statement) plus what storing it added.
+if TYPE_CHECKING:
+    IndexFieldsOut = _StoredIndexFields
+else:
+    IndexFieldsOut = create_model(
+        "IndexFieldsOut", __base__=_StoredIndexFields,
+        **{f.name: (get_type_hints(IndexFields)[f.name], ...)
+           for f in dataclass_fields(IndexFields)})
 
 
 class EnvelopeOut(BaseModel):
