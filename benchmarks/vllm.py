@@ -58,6 +58,29 @@ MODES = ("greedy", "top_p", "top_k", "top_k+top_p")
 
 
 # ------------------------------------------------------------------------------ weights
+#: A chat template for :func:`write_byte_tokenizer` (role, content, one line each).
+BYTE_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                      "{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+def write_byte_tokenizer(out: Path, config: dict[str, Any]) -> None:
+    """A ``tokenizers`` byte-level tokenizer for a checkpoint of ``config`` (ids 0-255 the
+    bytes, BOS/EOS from the config, every other id a ``<|tN|>`` token), with a chat
+    template, so ``vllm serve`` takes text prompts and chat (the proxy tests' cases)."""
+    from ledger.console.tokenizers import byte_level_tokenizer_json
+
+    bos, eos = int(config["bos_token_id"]), int(config["eos_token_id"])
+    names = {bos: "<s>", eos: "</s>"}
+    tokens = {i: names.get(i, f"<|t{i}|>") for i in range(256, int(config["vocab_size"]))}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.json").write_bytes(byte_level_tokenizer_json(tokens, (bos, eos)))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+        "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+        "model_max_length": int(config.get("max_position_embeddings", 4096)),
+        "chat_template": BYTE_CHAT_TEMPLATE}, indent=1))
+
+
 def write_checkpoint(out: Path, config: dict[str, Any], *, seed: int = 0,
                      dtype: str = "bfloat16", device: str = "cuda") -> None:
     """A Llama-family safetensors checkpoint both engines load (random weights)."""

@@ -140,6 +140,7 @@ def run_demo(data_dir: Path, *, keep_running: bool = False, port: int = 8000,
 
     from ledger.api.app import create_app
     from ledger.artifacts import artifact_hashes
+    from ledger.console.demo import readable_demo_artifacts
     from ledger.core.envelope import output_digest
     from ledger.db.session import make_engine, session_scope, upgrade
     from ledger.producer import envelope_to_json, sign_statement
@@ -231,7 +232,8 @@ def run_demo(data_dir: Path, *, keep_running: bool = False, port: int = 8000,
 
         try:
             # --- record, the way a gateway would ---------------------------------
-            artifacts = artifact_hashes(TINY_DEMO_DIR, model_name="tiny-demo")
+            artifacts = readable_demo_artifacts(  # the console shows the records as text
+                db, artifact_hashes(TINY_DEMO_DIR, model_name="tiny-demo"))
             recorded = record_requests(engine, keys["gateway"], engine.runtime(), artifacts,
                                        f"demo-{stamp}", 24, rng)
             bf16 = load_engine("tiny-demo", dtype="bfloat16")

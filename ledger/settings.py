@@ -14,7 +14,7 @@ import json
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -58,6 +58,11 @@ class Settings(BaseSettings):
         default=None, description="Ed25519 private key (PEM) a replay worker signs verdicts "
         "with (registered with purpose worker).")
     worker_heartbeat_s: float = Field(default=5.0, gt=0)
+    vllm_engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="JSON object of extra `vllm.LLM` arguments for a "
+        "worker with `--engine vllm` that share its GPU with other processes; only arguments "
+        "that change memory, never numerics or batching: gpu_memory_utilization, "
+        "kv_cache_memory_bytes, max_model_len.")
     worker_dead_after_s: float = Field(default=30.0, gt=0,
                                        description="No heartbeat for this long: not live.")
     replay_max_attempts: int = Field(default=3, ge=1, le=100,

@@ -168,9 +168,11 @@ class ReplayWorker:
         if digest not in self._engines:
             held = self.models[digest]
             if self.engine_name == "vllm":
-                from workers.engine.vllm_adapter import VLLMEngine
+                from workers.engine.vllm_adapter import VLLMEngine, memory_engine_args
 
-                self._engines[digest] = VLLMEngine(held.path, dtype=self.dtype)
+                self._engines[digest] = VLLMEngine(
+                    held.path, dtype=self.dtype,
+                    extra_engine_args=memory_engine_args(self.settings.vllm_engine_args))
             else:
                 from workers.engine import load_engine
 
@@ -468,7 +470,15 @@ class ReplayWorker:
                                 "finish_reason": result.finish_reason,
                                 "token_ids_sha256": hashlib.sha256(
                                     ("[" + ",".join(map(str, result.token_ids)) + "]").encode()
-                                ).hexdigest()},
+                                ).hexdigest(),
+                                # the replay itself, so a reviewer sees the exact token diff
+                                # (verdicts before this field have only the digest above)
+                                "token_ids": list(result.token_ids),
+                                "logprobs": None if result.logprobs is None
+                                else list(result.logprobs),
+                                "top_logprobs": None if result.top_logprobs is None else [
+                                    [[int(t), float(lp)] for t, lp in step]
+                                    for step in result.top_logprobs]},
                    "reason": None}
         details["first_divergence"] = details.pop("divergence")
         return cmp.outcome, details

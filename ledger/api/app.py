@@ -29,7 +29,7 @@ from sqlalchemy.exc import TimeoutError as SATimeoutError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ledger import __version__, metrics
+from ledger import __version__, console, metrics
 from ledger.api import schemas as api_schemas
 from ledger.api.deps import UnknownQueryParameters, reject_unknown_query
 from ledger.api.links import add_links
@@ -395,6 +395,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
         summary="Signed execution envelopes in a tamper-evident transparency log, "
                 "with bitwise replay verification.",
         openapi_url="/openapi.json",
+        docs_url=None, redoc_url=None,  # Swagger UI from local files: ledger.console.mount
         dependencies=[Depends(reject_unknown_query)],
     )
     app.state.settings = settings
@@ -407,6 +408,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     add_exception_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    console.mount(app)  # /console and /docs (the reviewer console, #15)
     app.add_middleware(BodyLimitAndMetrics, max_body=settings.max_request_bytes,
                        max_inflight=settings.max_inflight_requests,
                        max_inflight_bytes=settings.max_inflight_bytes)

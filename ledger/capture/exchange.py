@@ -4,7 +4,8 @@ Shared by the SDK (an httpx transport under the official ``openai`` client) and 
 recording proxy, so both add the same fields and record the same envelopes:
 
 1. :func:`prepare` rewrites a ``/v1/completions`` or ``/v1/chat/completions`` request body:
-   it asks for ``return_token_ids`` and logprobs when absent, sets a random ``seed`` when
+   it asks for ``return_token_ids`` and logprobs when absent (logprobs it adds named by
+   token ID: ``return_tokens_as_token_ids``), sets a random ``seed`` when
    the caller gave none, and states every sampling value it records explicitly (absent
    ones from :class:`SamplingDefaults`), so the record can never disagree with the
    upstream's own defaults. It returns a :class:`Plan` of what it changed.
@@ -28,8 +29,12 @@ What a :class:`Captured` records (so that a replay on the reference engine repro
   ``stop_string`` on the :class:`Captured` says so.
 - ``output.logprobs``: the chosen token's raw logprob per step. ``top_logprobs`` only when
   the caller asked for top-k *with* ``return_tokens_as_token_ids`` (otherwise the upstream
-  names alternatives by text, which does not identify a token), else ``null``; and
+  names alternatives by text, which does not identify a token) and, for chat, only when
+  every step's list is provably the top k (vLLM lists the sampled token first and then
+  the best others, see :func:`_chat_top_is_exact`), else ``null``; and
   ``sampling.logprobs`` says how many alternatives were recorded (0: chosen token only).
+- ``sampling.temperature``: what the upstream ran: vLLM raises a value in (0, 0.01) to
+  0.01, so the proxy sends and records 0.01.
 
 Requests that no envelope can describe are forwarded untouched and not recorded; the
 plan's ``unrecordable`` says why (``n > 1``, beam search, ``logit_bias``, ``min_tokens``,
@@ -52,6 +57,9 @@ CAPTURE_PATHS: dict[str, str] = {"/v1/completions": "completion",
 MAX_SEED = 2**53 - 1                      # the envelope's (I-JSON safe) seed range
 SEED_BITS = 53
 CLAMPED_LOGPROB = -9999.0                 # vLLM's floor for -inf: not a real value
+# vLLM 0.25 raises a temperature in (0, 0.01) to 0.01 (vllm/sampling_params.py:449-457,
+# _MAX_TEMP = 1e-2), so only 0 is greedy; the proxy sends and records the raised value.
+MIN_SAMPLING_TEMPERATURE = 1e-2
 
 # Parameters that do not change which tokens are generated from the prompt token IDs
 # the upstream reports (templating and tokenisation are already in those IDs).
@@ -64,6 +72,10 @@ _HARMLESS = frozenset({
     "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
     "reasoning_effort", "include_reasoning", "metadata", "store", "service_tier",
     "stream_interval", "kv_transfer_params", "return_prompt_text",
+    # vLLM 0.25: offsets and masks of the /render endpoints (ignored when generating),
+    # multimodal processing options (the prompt IDs the upstream reports include them)
+    "return_token_offsets", "return_assistant_tokens_mask", "media_io_kwargs",
+    "mm_processor_kwargs",
 })
 _SAMPLING_KEYS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
@@ -237,6 +249,8 @@ def prepare(kind: str, body: bytes, defaults: SamplingDefaults | None = None,
                  "presence_penalty", "frequency_penalty"):
         if data.get(name) is None:
             data[name] = getattr(defaults, name)
+    if 0 < data["temperature"] < MIN_SAMPLING_TEMPERATURE:
+        data["temperature"] = MIN_SAMPLING_TEMPERATURE
     if data.get("return_token_ids") is not True:
         data["return_token_ids"] = True
         plan.added_token_ids = True
@@ -257,6 +271,11 @@ def prepare(kind: str, body: bytes, defaults: SamplingDefaults | None = None,
         plan.requested_max_tokens = (data.get("max_completion_tokens")
                                      if data.get("max_completion_tokens") is not None
                                      else data.get("max_tokens"))
+    if plan.added_logprobs and not plan.top_ids:
+        # Names only the proxy sees (the client gets ``logprobs: null``): token IDs need
+        # no detokenising, and vLLM started with ``skip_tokenizer_init`` refuses logprobs
+        # named by text ("Unable to get tokenizer", entrypoints/generate/base/serving.py).
+        data["return_tokens_as_token_ids"] = True
     plan.sampling = {
         "temperature": float(data["temperature"]),
         "top_p": float(data["top_p"]),
@@ -282,6 +301,27 @@ def _token_id(name: Any) -> int | None:
     return None
 
 
+def _chat_top_is_exact(step: list[tuple[int, float]], sampled: int | None, k: int, *,
+                       greedy: bool) -> bool:
+    """Whether a chat step's ``top_logprobs`` are the k most likely tokens.
+
+    vLLM 0.25 keeps per step a dict of the sampled token first, then the top k
+    (vllm/logprobs.py:175-206, ``append_logprobs_for_next_position``), and chat lists its
+    first k entries (chat_completion/serving.py:1093-1115, ``_get_top_logprobs``). So the
+    list is the top k only when the sampled token is among them; when it ranks below k
+    the list is the sampled token plus the top k-1. That shows when the sampled token
+    (listed first) is more likely than some other entry (it ranks above k), or when
+    sampling is greedy (it ranks first); otherwise (k = 1, or the sampled token is the
+    least likely entry) the two cases look the same and nothing is recorded.
+    """
+    if len(step) != k or sampled is None or step[0][0] != sampled:
+        return False
+    if greedy:
+        return True
+    others = [lp for _, lp in step[1:]]
+    return bool(others) and step[0][1] > min(others)
+
+
 @dataclass
 class _Sequence:
     """Token IDs and logprobs of one choice, gathered from a body or from stream chunks."""
@@ -304,6 +344,7 @@ class _Sequence:
         if self.logprobs is None:
             return
         steps: list[tuple[Any, list[tuple[Any, Any]]]] = []
+        sampled: list[int | None] = []          # chat: the sampled token of each step
         if plan.kind == "completion":
             if not isinstance(logprobs, dict):
                 self.logprobs = self.top = None
@@ -330,7 +371,8 @@ class _Sequence:
                 pairs = [(a.get("token"), a.get("logprob")) for a in alternatives
                          if isinstance(a, dict)]
                 steps.append((entry.get("logprob"), pairs))
-        for lp, pairs in steps:
+                sampled.append(_token_id(entry.get("token")))
+        for position, (lp, pairs) in enumerate(steps):
             if not _is_number(lp) or lp == CLAMPED_LOGPROB:
                 self.logprobs = self.top = None
                 return
@@ -346,6 +388,10 @@ class _Sequence:
                         self.top = None
                         break
                     step.append((tid, float(value)))
+                if self.top is not None and plan.kind == "chat" and not _chat_top_is_exact(
+                        step, sampled[position], plan.top_k,
+                        greedy=plan.sampling.get("temperature") == 0):
+                    self.top = None
                 if self.top is not None:
                     # best first, ties to the smaller id (the reference engine's order);
                     # completions also list the sampled token: keep the top k only
@@ -504,8 +550,7 @@ class StreamEditor:
                 self._chat_prompt = top_prompt.value
             if plan.added_token_ids:
                 nulls.append(top_prompt)
-        droppable = (plan.kind == "chat" and bool(scanned.choices)
-                     and plan.added_token_ids and plan.added_logprobs)
+        droppable = plan.kind == "chat" and bool(scanned.choices) and plan.added_token_ids
         for choice in scanned.choices:
             index = choice["index"].value if "index" in choice else 0
             seq = self._sequences.setdefault(index if _is_int(index) else 0, _Sequence())
@@ -531,9 +576,10 @@ class StreamEditor:
                     (finish is None or finish.value is None)):
                 droppable = False
         if droppable:
-            # vLLM sends a chunk with an empty delta only because token IDs or logprobs
-            # were asked for (a tool/reasoning parser held the text back): the client,
-            # who asked for neither, would not have received it.
+            # vLLM sends a chunk with an empty delta before the last one only because token
+            # IDs were asked for (a tool/reasoning parser held the text back; 0.25:
+            # chat_completion/serving.py:632-640, whatever logprobs say): the client, who
+            # did not ask for them, would not have received it.
             return None
         if not nulls:
             return event

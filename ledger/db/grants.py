@@ -45,7 +45,8 @@ ROLES = tuple(COMPONENT_ROLES.values())
 
 #: Tables made by sibling migrations (0006 registry leaves, 0007 witnesses): granted only
 #: where they exist, so 0008 runs before and after they are filled in.
-OPTIONAL_TABLES = frozenset({"admin_events", "checkpoint_cosignatures", "witness_status"})
+OPTIONAL_TABLES = frozenset({"admin_events", "checkpoint_cosignatures", "witness_status",
+                             "tokenizers", "console_sessions"})  # 0011: the console
 
 _SEQUENCER = ("SELECT", "UPDATE (size)")                # log_state: lock and advance
 _INTEGRATOR = {
@@ -83,6 +84,8 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "verdicts": ("SELECT",),
         "reverification_policies": ("SELECT", "INSERT"),
         "reverification_runs": ("SELECT",),
+        "tokenizers": ("SELECT", "INSERT"),                          # 0011: the console
+        "console_sessions": ("SELECT", "INSERT", "DELETE"),
     },
     BEAT: {
         "alembic_version": ("SELECT",),
@@ -124,7 +127,7 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "signing_keys", "api_keys", "audit_events", "admin_events", "log_tree", "tiles",
         "checkpoints", "checkpoint_cosignatures", "witness_status", "workers", "replay_jobs",
         "replay_job_items", "job_attempts", "disputes", "dispute_events", "verdicts",
-        "reverification_policies", "reverification_runs")},
+        "reverification_policies", "reverification_runs", "tokenizers", "console_sessions")},
 }
 
 def grant_statements(grants: Mapping[str, Mapping[str, tuple[str, ...]]] = GRANTS,

@@ -108,6 +108,10 @@ class Envelope(Base):
         Index("ix_envelopes_fingerprint_id_log_index", "fingerprint_id", "log_index"),
         Index("ix_envelopes_channel_log_index", "channel", "log_index"),
         Index("ix_envelopes_recorded_at", "recorded_at"),
+        # the console's search (0011): request ID prefixes, model names case-insensitively
+        # on request_id COLLATE "C" (0011); reflection shows the column, so it is named so
+        Index("ix_envelopes_request_id_prefix", "request_id"),
+        Index("ix_envelopes_model_name_lower", func.lower(text("model_name")), "log_index"),
     )
 
 
@@ -453,3 +457,32 @@ class WitnessStatus(Base):
     last_ok_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     last_error: Mapped[str | None] = mapped_column(Text)
     last_attempt_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Tokenizer(Base):
+    """A ``tokenizer.json`` an admin registered, keyed by the SHA-256 of its bytes (the
+    envelope's ``artifacts.tokenizer_sha256``). Used only to show token IDs as text in the
+    console; the bytes are re-hashed before use."""
+
+    __tablename__ = "tokenizers"
+    tokenizer_sha256: Mapped[str] = mapped_column(Text, primary_key=True)
+    content: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    name: Mapped[str] = mapped_column(Text, nullable=False)
+    vocab_size: Mapped[int] = mapped_column(Integer, nullable=False)
+    registered_by: Mapped[str] = mapped_column(Text, nullable=False)
+    registered_at: Mapped[datetime] = _now()
+    __table_args__ = (CheckConstraint("tokenizer_sha256 ~ '^[0-9a-f]{64}$'",
+                                      name="sha256_hex"),)
+
+
+class ConsoleSession(Base):
+    """A console sign-in: an API key exchanged for a cookie (only its HMAC under the API-key
+    pepper is kept, as for API keys)."""
+
+    __tablename__ = "console_sessions"
+    token_sha256: Mapped[bytes] = mapped_column(LargeBinary, primary_key=True)
+    api_key_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), ForeignKey("api_keys.id"),
+                                                  nullable=False, index=True)
+    csrf_token: Mapped[str] = mapped_column(Text, nullable=False)
+    created_at: Mapped[datetime] = _now()
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)

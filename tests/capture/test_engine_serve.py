@@ -96,6 +96,80 @@ def test_concurrent_requests_get_the_same_answers_as_alone(engine_server: Proces
     assert together == alone
 
 
+# Members, in order, that vLLM 0.25.0 writes (completion/protocol.py:520-594,
+# chat_completion/protocol.py:58-166: bodies are ``model_dump()``, chunks
+# ``model_dump_json(exclude_unset=True)``, the usage chunk also ``exclude_none=True``).
+COMPLETION_KEYS = ["id", "object", "created", "model", "choices", "service_tier",
+                   "system_fingerprint", "usage", "kv_transfer_params", "metrics"]
+COMPLETION_CHOICE_KEYS = ["index", "text", "logprobs", "finish_reason", "stop_reason",
+                          "token_ids", "prompt_logprobs", "prompt_token_ids", "routed_experts"]
+CHAT_KEYS = ["id", "object", "created", "model", "choices", "service_tier",
+             "system_fingerprint", "usage", "prompt_logprobs", "prompt_token_ids",
+             "prompt_text", "kv_transfer_params", "metrics"]
+CHAT_CHOICE_KEYS = ["index", "message", "logprobs", "finish_reason", "stop_reason",
+                    "token_ids", "routed_experts"]
+HEAD = ["id", "object", "created", "model", "choices"]
+
+
+def test_members_and_fingerprint_are_vllms(engine_server: Process) -> None:
+    base = {"model": MODEL, "max_tokens": 3, "temperature": 0}
+    doc = post(engine_server, "/v1/completions", {**base, "prompt": "Hi"}).json()
+    assert list(doc) == COMPLETION_KEYS and list(doc["choices"][0]) == COMPLETION_CHOICE_KEYS
+    fp = doc["system_fingerprint"]
+    assert fp.startswith("ledger-") and len(fp.rsplit("-", 1)[1]) == 8
+    chat = {**base, "messages": [{"role": "user", "content": "Hi"}]}
+    doc = post(engine_server, "/v1/chat/completions", chat).json()
+    assert list(doc) == CHAT_KEYS and list(doc["choices"][0]) == CHAT_CHOICE_KEYS
+    assert doc["system_fingerprint"] == fp and doc["prompt_text"] is None
+
+    # the fingerprint rides on the last chunk, or on the usage chunk when there is one
+    docs = stream_docs(engine_server, "/v1/chat/completions", chat)
+    assert list(docs[0]) == [*HEAD, "prompt_token_ids", "prompt_text"]
+    assert [list(d) for d in docs[1:-1]] == [HEAD] * (len(docs) - 2)
+    assert list(docs[-1]) == [*HEAD, "system_fingerprint"] and docs[-1]["system_fingerprint"] == fp
+    assert list(docs[-1]["choices"][0]) == ["index", "delta", "logprobs", "finish_reason",
+                                            "stop_reason", "token_ids"]
+    docs = stream_docs(engine_server, "/v1/completions",
+                       {**base, "prompt": "Hi", "stream_options": {
+                           "include_usage": True, "continuous_usage_stats": True}})
+    assert [list(d) for d in docs[:-1]] == [[*HEAD, "usage"]] * (len(docs) - 1)
+    assert docs[0]["usage"] == {"prompt_tokens": 3, "total_tokens": 4, "completion_tokens": 1}
+    assert docs[-1] == {**{k: docs[0][k] for k in HEAD[:4]}, "choices": [],
+                        "usage": {"prompt_tokens": 3, "total_tokens": 6, "completion_tokens": 3},
+                        "system_fingerprint": fp}
+    # continuous usage stats only come with include_usage (serve/utils/api_utils.py:276-288)
+    docs = stream_docs(engine_server, "/v1/completions",
+                       {**base, "prompt": "Hi", "stream_options": {
+                           "continuous_usage_stats": True}})
+    assert all("usage" not in d for d in docs)
+
+
+def test_chat_top_logprobs_list_the_sampled_token_first(engine_server: Process) -> None:
+    """vLLM 0.25: the first k of {sampled token, best others} (vllm/logprobs.py:175-206,
+    chat_completion/serving.py:1093-1115); the chosen token's ``bytes`` are its text's."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 12, "temperature": 1.5, "seed": 5, "logprobs": True,
+            "top_logprobs": 2, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    choice = post(engine_server, "/v1/chat/completions", body).json()["choices"][0]
+    for token, entry in zip(choice["token_ids"], choice["logprobs"]["content"], strict=True):
+        assert entry["token"] == f"token_id:{token}" and len(entry["top_logprobs"]) == 2
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+        assert entry["bytes"] == list(ByteTokenizer().token_text(token).encode())
+        assert entry["top_logprobs"][0]["bytes"] == list(entry["token"].encode())
+
+
+def test_temperature_follows_vllms_bounds(engine_server: Process) -> None:
+    """vLLM 0.25 runs (0, 0.01) at 0.01 and refuses more than 2 (sampling_params.py)."""
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 6, "seed": 1, "logprobs": 0}
+    parsed = oa.parse_completion({**body, "temperature": 0.001}, served_model=MODEL,
+                                 tokenizer=ByteTokenizer(), vocab_size=512, max_model_len=64)
+    assert parsed.sampling[0].temperature == 0.01
+    r = post(engine_server, "/v1/completions", {**body, "temperature": 2.5})
+    assert r.status_code == 400 and "[0, 2]" in r.json()["error"]["message"]
+    r = post(engine_server, "/v1/completions", {**body, "temperature": 0, "n": 2})
+    assert r.json()["error"]["message"] == "n must be 1 when using greedy sampling, got 2."
+
+
 @pytest.mark.parametrize(("path", "body", "status", "fragment"), [
     ("/v1/completions", {"prompt": "a", "n": 2}, 400, "`n`"),
     ("/v1/completions", {"prompt": "a", "logit_bias": {"1": 2}}, 400, "logit_bias"),

@@ -229,3 +229,210 @@ def test_incomplete_stream_records_nothing() -> None:
     editor.feed(data[: data.index(b'"finish_reason":"stop"')])
     editor.finish()
     assert not editor.done and editor.captured() == []
+
+
+# ------------------------------------------------------------------ vLLM 0.25.0's own bytes
+# Byte strings as vLLM 0.25.0 writes them (read from its wheel's source):
+# - whole bodies: ``JSONResponse(content=response.model_dump())`` (completion/api_router.py:
+#   60-64, chat_completion/api_router.py:68-72): every field in declaration order, ``null``
+#   included (completion/protocol.py:520-562, chat_completion/protocol.py:58-137), compact,
+#   Python's float text;
+# - stream chunks: ``chunk.model_dump_json(exclude_unset=True)`` (completion/serving.py:440,
+#   chat_completion/serving.py:525,743): only members the server set (to ``None`` too),
+#   pydantic's float text (``-1e-7``, ``0.00001``); the usage chunk adds
+#   ``exclude_none=True`` (completion/serving.py:483-485, chat_completion/serving.py:786-788);
+# - ``system_fingerprint`` (default ``--fingerprint-mode full``: ``vllm-<version>-<hash8>``,
+#   serve/utils/fingerprint.py) in every body, on the last chunk with a ``finish_reason``
+#   when no usage chunk follows (chat_completion/serving.py:723-732), else on the usage chunk.
+FP = "vllm-0.25.0-1a2b3c4d"
+VLLM_COMPLETION = (
+    '{"id":"cmpl-rq","object":"text_completion","created":1764590000,"model":"tiny-demo",'
+    '"choices":[{"index":0,"text":" w\u00f6","logprobs":{"text_offset":[0,13],'
+    '"token_logprobs":[-0.6931471805599453,-1.0000000000000002e-07],'
+    '"tokens":["token_id:1917","token_id:269"],"top_logprobs":[{"token_id:1917":'
+    '-0.6931471805599453},{"token_id:269":-1.0000000000000002e-07}]},"finish_reason":"length",'
+    '"stop_reason":null,"token_ids":[1917,269],"prompt_logprobs":null,'
+    '"prompt_token_ids":[128000,9906],"routed_experts":null}],"service_tier":null,'
+    f'"system_fingerprint":"{FP}","usage":{{"prompt_tokens":2,"total_tokens":4,'
+    '"completion_tokens":2,"prompt_tokens_details":null},"kv_transfer_params":null,'
+    '"metrics":null}')
+VLLM_CHAT = (
+    '{"id":"chatcmpl-rq","object":"chat.completion","created":1764590000,"model":"tiny-demo",'
+    '"choices":[{"index":0,"message":{"role":"assistant","content":"Hi","refusal":null,'
+    '"annotations":null,"audio":null,"function_call":null,"reasoning":null},"logprobs":'
+    '{"content":[{"token":"token_id:13347","logprob":-0.25,"bytes":[72,105],'
+    '"top_logprobs":[]},{"token":"token_id:128009","logprob":-1.5,"bytes":[60,124,101,111,'
+    '116,95,105,100,124,62],"top_logprobs":[]}]},"finish_reason":"stop","stop_reason":null,'
+    '"token_ids":[13347,128009],"routed_experts":null}],"service_tier":null,'
+    f'"system_fingerprint":"{FP}","usage":{{"prompt_tokens":3,"total_tokens":5,'
+    '"completion_tokens":2,"prompt_tokens_details":null},"prompt_logprobs":null,'
+    '"prompt_token_ids":[128000,9906,271],"prompt_text":null,"kv_transfer_params":null,'
+    '"metrics":null}')
+
+
+def _null_logprobs(text: str) -> str:
+    """``text`` with every ``"logprobs":{...}`` value replaced by ``null`` (bracket match)."""
+    out, pos = [], 0
+    while (at := text.find('"logprobs":{', pos)) >= 0:
+        start = at + len('"logprobs":')
+        depth, end = 0, start
+        for end in range(start, len(text)):
+            depth += {"{": 1, "}": -1}.get(text[end], 0)
+            if depth == 0:
+                break
+        out += [text[pos:start], "null"]
+        pos = end + 1
+    return "".join(out) + text[pos:]
+
+
+def test_vllm_completion_body_gets_back_its_unasked_bytes() -> None:
+    sent, plan = _prepare("completion", {"prompt": "Hello", "max_tokens": 2})
+    assert sent["return_tokens_as_token_ids"] is True     # only the proxy reads those names
+    edited, (c,) = edit_response(plan, VLLM_COMPLETION.encode())
+    expected = _null_logprobs(VLLM_COMPLETION.replace('"token_ids":[1917,269]',
+                                                      '"token_ids":null').replace(
+        '"prompt_token_ids":[128000,9906]', '"prompt_token_ids":null'))
+    assert edited.decode() == expected and '"routed_experts":null' in expected
+    assert c.request_id == "cmpl-rq" and c.prompt_token_ids == [128000, 9906]
+    assert c.token_ids == [1917, 269] and c.logprobs == [-0.6931471805599453,
+                                                         -1.0000000000000002e-07]
+
+
+def test_vllm_chat_body_gets_back_its_unasked_bytes() -> None:
+    _, plan = _prepare("chat", {"messages": [{"role": "user", "content": "a"}]})
+    edited, (c,) = edit_response(plan, VLLM_CHAT.encode())
+    expected = _null_logprobs(VLLM_CHAT.replace('"token_ids":[13347,128009]',
+                                                '"token_ids":null').replace(
+        '"prompt_token_ids":[128000,9906,271]', '"prompt_token_ids":null'))
+    assert edited.decode() == expected and '"prompt_text":null' in expected
+    # EOS ends the output and is in token_ids (vLLM: v1/engine/detokenizer.py:107-126
+    # keeps a stop-terminating token in the ids and out of the text)
+    assert c.token_ids == [13347, 128009] and c.finish_reason == "stop"
+    assert c.prompt_token_ids == [128000, 9906, 271] and c.logprobs == [-0.25, -1.5]
+
+
+def _vllm_chat_stream(usage: bool) -> bytes:
+    head = '"id":"chatcmpl-s","object":"chat.completion.chunk","created":7,"model":"tiny-demo"'
+    events = [
+        # first chunk: prompt_token_ids and prompt_text are set (to None when unasked)
+        '{' + head + ',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+        '"logprobs":null,"finish_reason":null}],"prompt_token_ids":[128000,9906],'
+        '"prompt_text":null}',
+        '{' + head + ',"choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":{"content":'
+        '[{"token":"token_id:13347","logprob":-0.00001,"bytes":[72,105],"top_logprobs":[]}]},'
+        '"finish_reason":null,"token_ids":[13347]}]}',
+        '{' + head + ',"choices":[{"index":0,"delta":{"content":""},"logprobs":{"content":'
+        '[{"token":"token_id:128009","logprob":-1.0000000000000002e-7,"bytes":[60,47,115,62],'
+        '"top_logprobs":[]}]},"finish_reason":"stop","stop_reason":null,"token_ids":[128009]}]'
+        + ('' if usage else f',"system_fingerprint":"{FP}"') + '}',
+    ]
+    if usage:
+        events.append('{' + head + ',"choices":[],"usage":{"prompt_tokens":2,"total_tokens":4,'
+                      f'"completion_tokens":2}},"system_fingerprint":"{FP}"}}')
+    return "".join(f"data: {e}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("usage", [False, True], ids=["plain", "usage"])
+def test_vllm_chat_stream_gets_back_its_unasked_bytes(usage: bool) -> None:
+    _, plan = _prepare("chat", {"messages": [{"role": "user", "content": "a"}],
+                                "max_tokens": 5, "stream": True})
+    data = _vllm_chat_stream(usage)
+    editor = StreamEditor(plan)
+    out = b"".join(editor.feed(data[i:i + 37]) for i in range(0, len(data), 37))
+    out += editor.finish()
+    expected = _null_logprobs(data.decode().replace('"prompt_token_ids":[128000,9906]',
+                                                    '"prompt_token_ids":null'))
+    for ids in ("[13347]", "[128009]"):
+        expected = expected.replace(f'"token_ids":{ids}', '"token_ids":null')
+    assert out.decode() == expected and editor.done
+    (c,) = editor.captured()
+    assert c.request_id == "chatcmpl-s" and c.prompt_token_ids == [128000, 9906]
+    assert c.token_ids == [13347, 128009] and c.logprobs == [-0.00001, -1.0000000000000002e-7]
+    assert c.finish_reason == "stop" and c.sampling["max_tokens"] == 5
+
+
+def test_vllm_completion_stream_with_continuous_usage() -> None:
+    head = '"id":"cmpl-s","object":"text_completion","created":7,"model":"tiny-demo"'
+
+    def chunk(text: str, lp: str, finish: str, prompt: str, ids: str, done: int) -> str:
+        return ('{' + head + f',"choices":[{{"index":0,"text":"{text}","logprobs":{lp},'
+                f'"finish_reason":{finish},"stop_reason":null,"prompt_token_ids":{prompt},'
+                f'"token_ids":{ids}}}],"usage":{{"prompt_tokens":2,"total_tokens":{2 + done},'
+                f'"completion_tokens":{done}}}}}')
+
+    lp1 = ('{"text_offset":[0],"token_logprobs":[-0.5],"tokens":["token_id:72"],'
+           '"top_logprobs":[{"token_id:72":-0.5}]}')
+    lp2 = ('{"text_offset":[11],"token_logprobs":[-2.5e-8],"tokens":["token_id:105"],'
+           '"top_logprobs":[{"token_id:105":-2.5e-8}]}')
+    events = [chunk("H", lp1, "null", "[128000,9906]", "[72]", 1),
+              chunk("i", lp2, '"length"', "null", "[105]", 2),
+              '{' + head + ',"choices":[],"usage":{"prompt_tokens":2,"total_tokens":4,'
+              f'"completion_tokens":2}},"system_fingerprint":"{FP}"}}']
+    data = "".join(f"data: {e}\n\n" for e in events).encode() + b"data: [DONE]\n\n"
+    _, plan = _prepare("completion", {"prompt": "Hello", "max_tokens": 2, "stream": True,
+                                      "stream_options": {"include_usage": True,
+                                                         "continuous_usage_stats": True}})
+    editor = StreamEditor(plan)
+    out = editor.feed(data) + editor.finish()
+    expected = _null_logprobs(data.decode().replace("[128000,9906]", "null").replace(
+        '"token_ids":[72]', '"token_ids":null').replace('"token_ids":[105]',
+                                                        '"token_ids":null'))
+    assert out.decode() == expected
+    (c,) = editor.captured()
+    assert c.token_ids == [72, 105] and c.logprobs == [-0.5, -2.5e-8]
+    assert c.prompt_token_ids == [128000, 9906] and c.finish_reason == "length"
+
+
+def test_chunk_sent_only_for_token_ids_is_dropped_even_when_logprobs_were_asked() -> None:
+    """With a tool/reasoning parser holding text back, vLLM 0.25 sends a chunk with an
+    empty delta only when ``return_token_ids`` is on (chat_completion/serving.py:632-640)."""
+    head = '"id":"chatcmpl-p","object":"chat.completion.chunk","created":7,"model":"m"'
+    held = ('{' + head + ',"choices":[{"index":0,"delta":{},"logprobs":{"content":[{"token":'
+            '"<","logprob":-0.5,"bytes":[60],"top_logprobs":[]}]},"finish_reason":null,'
+            '"token_ids":[27]}]}')
+    _, plan = _prepare("chat", {"messages": [{"role": "user", "content": "a"}],
+                                "logprobs": True})
+    editor = StreamEditor(plan)
+    assert editor.feed(f"data: {held}\n\n".encode()) == b""
+
+
+def _chat_top_body(steps: list[tuple[int, float, list[tuple[int, float]]]]) -> bytes:
+    content = [{"token": f"token_id:{t}", "logprob": lp, "bytes": [],
+                "top_logprobs": [{"token": f"token_id:{a}", "logprob": alp, "bytes": []}
+                                 for a, alp in tops]} for t, lp, tops in steps]
+    return json.dumps({"id": "chatcmpl-t", "choices": [{
+        "index": 0, "logprobs": {"content": content}, "finish_reason": "length",
+        "stop_reason": None, "token_ids": [t for t, _, _ in steps]}],
+        "prompt_token_ids": [1, 2]}).encode()
+
+
+def test_chat_top_logprobs_are_recorded_only_when_they_are_the_top_k() -> None:
+    """vLLM 0.25 lists the sampled token first, then the best others, k in all
+    (vllm/logprobs.py:175-206; chat_completion/serving.py:1093-1115)."""
+    asked = {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
+             "top_logprobs": 3, "return_tokens_as_token_ids": True, "temperature": 0.8}
+    _, plan = _prepare("chat", asked)
+    exact = [(5, -0.1, [(5, -0.1), (7, -2.0), (2, -2.5)]),   # the sampled token ranks 1
+             (9, -1.0, [(9, -1.0), (4, -0.5), (6, -1.5)])]   # ranks 2: still the top 3
+    _, (c,) = edit_response(plan, _chat_top_body(exact))
+    assert c.top_logprobs == [[(5, -0.1), (7, -2.0), (2, -2.5)],
+                              [(4, -0.5), (9, -1.0), (6, -1.5)]]
+    assert c.sampling["logprobs"] == 3
+    # least likely of the list: ranks 3 (the top 3) or worse (the 3rd best is missing)
+    ambiguous = [*exact, (8, -3.0, [(8, -3.0), (4, -0.2), (6, -0.9)])]
+    _, (c,) = edit_response(plan, _chat_top_body(ambiguous))
+    assert c.top_logprobs is None and c.sampling["logprobs"] == 0
+    assert c.logprobs == [-0.1, -1.0, -3.0]
+    # k = 1: only greedy sampling says the sampled token is the best one
+    for temperature, recorded in ((0.8, False), (0, True)):
+        _, plan = _prepare("chat", {**asked, "top_logprobs": 1, "temperature": temperature})
+        _, (c,) = edit_response(plan, _chat_top_body([(5, -0.1, [(5, -0.1)])]))
+        assert (c.top_logprobs is not None) is recorded
+
+
+def test_temperature_below_vllms_floor_is_sent_and_recorded_as_it_runs() -> None:
+    """vLLM 0.25 runs a temperature in (0, 0.01) at 0.01 (vllm/sampling_params.py:449-457)."""
+    sent, plan = _prepare("completion", {"prompt": "a", "temperature": 0.004})
+    assert sent["temperature"] == 0.01 and plan.sampling["temperature"] == 0.01
+    sent, plan = _prepare("completion", {"prompt": "a", "temperature": 0})
+    assert sent["temperature"] == 0 and plan.sampling["temperature"] == 0.0

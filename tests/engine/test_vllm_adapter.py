@@ -15,6 +15,7 @@ from workers.engine.vllm_adapter import (
     SCHEDULER_DEFAULTS,
     VLLM_ENV,
     deterministic_problem,
+    memory_engine_args,
     result_from_output,
     runtime_from,
     settings_from_config,
@@ -235,3 +236,13 @@ def test_self_check_sizes_straddle_every_threshold() -> None:
     assert self_check_sizes(4, (8,)) == [1, 4]
 
 # The GPU integration tests are in tests/engine/test_vllm_gpu.py.
+
+
+def test_worker_engine_args_may_only_change_memory() -> None:
+    """LEDGER_VLLM_ENGINE_ARGS: memory settings pass, anything else that the fingerprint
+    does not record is refused by name."""
+    assert memory_engine_args({"gpu_memory_utilization": 0.3, "max_model_len": 2048}) == {
+        "gpu_memory_utilization": 0.3, "max_model_len": 2048}
+    with pytest.raises(ValueError, match=r"not \['enforce_eager', 'max_num_seqs'\]"):
+        memory_engine_args({"max_num_seqs": 64, "enforce_eager": True,
+                            "gpu_memory_utilization": 0.3})

@@ -73,6 +73,28 @@ SCHEDULER_DEFAULTS: dict[str, Any] = {
 }
 
 
+def serve_args(*, max_model_len: int, dtype: str = "bfloat16", seed: int = 0,
+               attention_backend: str = DEFAULT_ATTENTION_BACKEND) -> list[str]:
+    """``vllm serve`` flags for the settings :class:`VLLMEngine` pins (run it with
+    :data:`VLLM_ENV`'s numeric variables set), so that a server records what a worker with
+    ``ledger fingerprint --engine vllm``'s fingerprint replays. ``max_model_len`` must be
+    <= ``max_num_batched_tokens`` (no chunked prefill)."""
+    s = SCHEDULER_DEFAULTS
+    if max_model_len > s["max_num_batched_tokens"]:
+        raise ValueError(f"max_model_len {max_model_len} > max_num_batched_tokens "
+                         f"{s['max_num_batched_tokens']}: a prompt could not be scheduled")
+    return [
+        "--dtype", dtype, "--seed", str(seed), "--max-model-len", str(max_model_len),
+        "--max-num-seqs", str(s["max_num_seqs"]),
+        "--max-num-batched-tokens", str(s["max_num_batched_tokens"]),
+        "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--no-async-scheduling",
+        "--long-prefill-token-threshold", str(s["long_prefill_token_threshold"]),
+        "--max-num-partial-prefills", str(s["max_num_partial_prefills"]),
+        "--block-size", str(s["block_size"]), "--attention-backend", attention_backend,
+        "--logprobs-mode", "raw_logprobs",
+    ]
+
+
 def vllm_sampling_kwargs(params: SamplingParams) -> dict[str, Any]:
     """Our ``SamplingParams`` as ``vllm.SamplingParams`` keyword arguments, field by field."""
     return {
@@ -251,6 +273,21 @@ RESOLVED_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "logprobs_mode": "raw_logprobs",
 }
+
+
+#: ``vllm.LLM`` arguments a worker may add (``LEDGER_VLLM_ENGINE_ARGS``): memory only.
+MEMORY_ENGINE_ARGS = frozenset({"gpu_memory_utilization", "kv_cache_memory_bytes",
+                                "max_model_len"})
+
+
+def memory_engine_args(args: Mapping[str, Any]) -> dict[str, Any]:
+    """``args`` if every key only changes memory (:data:`MEMORY_ENGINE_ARGS`); anything that
+    could change numerics or batching is refused: the fingerprint would not say it."""
+    other = sorted(set(args) - MEMORY_ENGINE_ARGS)
+    if other:
+        raise ValueError(f"LEDGER_VLLM_ENGINE_ARGS may only set {sorted(MEMORY_ENGINE_ARGS)}; "
+                         f"not {other} (they change numerics or batching)")
+    return dict(args)
 
 
 class NotDeterministic(ValueError):

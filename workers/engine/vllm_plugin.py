@@ -27,7 +27,8 @@ import logging
 import os
 from typing import Any
 
-log = logging.getLogger("inference_ledger.vllm_plugin")
+# under "vllm.": vLLM's own handler prints it at INFO in every process that loads the pin
+log = logging.getLogger("vllm.inference_ledger_pin")
 
 PLUGIN_NAME = "inference_ledger_pin"
 PLUGIN_VERSION = "1"

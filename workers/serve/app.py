@@ -44,13 +44,19 @@ def _error(exc: oa.RequestError) -> Response:
 def create_app(engine: Engine, *, served_model_name: str, tokenizer: ByteTokenizer | None,
                max_batch: int = 8, batch_wait_s: float = 0.002) -> Starlette:
     """The ASGI app serving ``engine`` (which it owns from now on)."""
-    from ledger.core.fingerprint import fingerprint_id
+    from ledger.core.fingerprint import FINGERPRINT_PREFIX, fingerprint_id
 
     config = getattr(engine, "config", None)
     vocab_size = int(getattr(config, "vocab_size", tokenizer.vocab_size if tokenizer else 0))
     max_model_len = int(getattr(config, "max_position_embeddings", 4096))
     runtime = engine.runtime()
-    fingerprint = {"fingerprint_id": fingerprint_id(runtime), "runtime": runtime}
+    fp_id = fingerprint_id(runtime)
+    fingerprint = {"fingerprint_id": fp_id, "runtime": runtime}
+    # vLLM 0.25 answers ``vllm-<version>-<hash8 of its config>`` by default
+    # (entrypoints/serve/utils/fingerprint.py); ours names the engine and its runtime
+    system_fingerprint = "ledger-{}-{}".format(
+        runtime.get("engine_version"),
+        fp_id.removeprefix(FINGERPRINT_PREFIX)[:8])
     batcher = EngineBatcher(engine, max_batch=max_batch, batch_wait_s=batch_wait_s)
 
     async def body_of(request: Request) -> Any:
@@ -89,8 +95,10 @@ def create_app(engine: Engine, *, served_model_name: str, tokenizer: ByteTokeniz
             return _error(exc)
         created = oa.now()
         if parsed.stream:
-            return stream(oa.completion_chunks(parsed, choices, tokenizer, created))
-        return _JSON(oa.completion_response(parsed, choices, tokenizer, created))
+            return stream(oa.completion_chunks(parsed, choices, tokenizer, created,
+                                               system_fingerprint=system_fingerprint))
+        return _JSON(oa.completion_response(parsed, choices, tokenizer, created,
+                                            system_fingerprint=system_fingerprint))
 
     async def chat(request: Request) -> Response:
         try:
@@ -103,8 +111,10 @@ def create_app(engine: Engine, *, served_model_name: str, tokenizer: ByteTokeniz
             return _error(exc)
         created = oa.now()
         if parsed.stream:
-            return stream(oa.chat_chunks(parsed, choice, tokenizer, created))
-        return _JSON(oa.chat_response(parsed, choice, tokenizer, created))
+            return stream(oa.chat_chunks(parsed, choice, tokenizer, created,
+                                         system_fingerprint=system_fingerprint))
+        return _JSON(oa.chat_response(parsed, choice, tokenizer, created,
+                                      system_fingerprint=system_fingerprint))
 
     async def models(_: Request) -> Response:
         return _JSON({"object": "list", "data": [{

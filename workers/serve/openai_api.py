@@ -23,6 +23,14 @@ What is mirrored from vLLM's OpenAI server (``vllm/entrypoints/openai``), field 
   strings are found on the detokenised text and truncate it (and the token ids after the
   token that completed the stop string); streams hold back text that could start a stop
   string and incomplete UTF-8 sequences.
+- the bytes, as vLLM 0.25.0 writes them: whole bodies are ``JSONResponse(model.model_dump())``
+  (every member, ``null`` included, compact, Python's float text); stream chunks are
+  ``model_dump_json(exclude_unset=True)`` (pydantic's float text, e.g. ``1e-7`` and
+  ``0.00001``) and the usage chunk ``exclude_none=True``; ``system_fingerprint`` (vLLM:
+  ``vllm-<version>-<hash8>``; here ``ledger-<engine version>-<fingerprint hex8>``) is in
+  every body, on the stream's last chunk with a ``finish_reason`` when no usage chunk
+  follows, else on the usage chunk; chat's ``top_logprobs`` are the first k of "sampled
+  token, then the best others"; a temperature in (0, 0.01) runs at 0.01.
 
 Not supported (a 400 error, never silently ignored): ``n > 1``, beam search, ``echo``,
 ``logit_bias``, ``allowed_token_ids``, ``bad_words``, ``min_tokens > 0``, structured
@@ -39,6 +47,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import pydantic_core
+
 from workers.engine.api import GenerationRequest, GenerationResult, SamplingParams
 from workers.engine.sampling import validate
 from workers.serve.tokenizer import ByteTokenizer, IncrementalDecoder
@@ -46,6 +56,8 @@ from workers.serve.tokenizer import ByteTokenizer, IncrementalDecoder
 LOGPROB_FLOOR = -9999.0
 MAX_LOGPROBS = 20          # vLLM's --max-logprobs default
 SEED_BITS = 63
+MIN_TEMPERATURE = 1e-2     # vLLM raises (0, 0.01) to this (vllm/sampling_params.py:449-457)
+MAX_TEMPERATURE = 2.0      # and refuses more (sampling_params.py:548-553)
 
 
 class RequestError(ValueError):
@@ -112,6 +124,9 @@ def _check_unsupported(body: Mapping[str, Any]) -> None:
             continue
         if name == "response_format" and isinstance(value, dict) and value.get("type") == "text":
             continue
+        if name == "n" and body.get("temperature") == 0:
+            # vLLM's own refusal (sampling_params.py:623-625); it runs n > 1 otherwise
+            raise RequestError(f"n must be 1 when using greedy sampling, got {value}.")
         raise RequestError(f"`{name}` is not supported by ledger engine serve", param=name)
 
 
@@ -159,6 +174,11 @@ def _sampling(body: Mapping[str, Any], max_tokens: int, logprobs: int | None,
     if seed is not None and not -(2**63) <= seed < 2**63:
         raise RequestError("`seed` must fit in a signed 64-bit integer", param="seed")
     temperature = _number(body, "temperature", 1.0)
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise RequestError(f"temperature must be in [0, 2], got {temperature}.",
+                           param="temperature")
+    if 0 < temperature < MIN_TEMPERATURE:
+        temperature = MIN_TEMPERATURE
     if temperature > 0 and seed is None:
         seed = secrets.randbits(SEED_BITS)      # unseeded: the server draws one, like vLLM
     stop_ids = body.get("stop_token_ids") or []
@@ -217,7 +237,9 @@ def _stream_options(body: Mapping[str, Any], stream: bool) -> tuple[bool, bool]:
                            param="stream_options")
     if not isinstance(options, dict):
         raise RequestError("`stream_options` must be an object", param="stream_options")
-    return bool(options.get("include_usage")), bool(options.get("continuous_usage_stats"))
+    include_usage = bool(options.get("include_usage"))
+    # vLLM: continuous stats only with include_usage (serve/utils/api_utils.py:276-288)
+    return include_usage, include_usage and bool(options.get("continuous_usage_stats"))
 
 
 def parse_completion(body: Any, *, served_model: str, tokenizer: ByteTokenizer | None,
@@ -435,29 +457,50 @@ def _completion_logprobs(choice: ChoiceText, start: int, stop: int, parsed: Pars
 
 def _chat_logprobs(choice: ChoiceText, start: int, stop: int, parsed: Parsed,
                    tokenizer: ByteTokenizer | None) -> dict[str, Any]:
+    """As vLLM 0.25 (chat_completion/serving.py:1093-1179): per step a dict of the sampled
+    token first, then the top k (vllm/logprobs.py:175-206), of which ``top_logprobs`` are
+    the first k entries, so a sampled token ranked below k displaces the k-th best. The
+    chosen token's ``bytes`` are those of its decoded text even when ``token`` is
+    ``token_id:<id>`` (``null`` without a tokenizer); an alternative's are its ``token``'s.
+    """
     k = parsed.logprobs or 0
     content = []
     for j in range(start, stop):
-        s = _token_str(choice.token_ids[j], parsed, tokenizer)
-        top = choice.top_logprobs[j][:k] if choice.top_logprobs and k else []
+        token = choice.token_ids[j]
+        s = _token_str(token, parsed, tokenizer)
+        step: dict[int, float] = {token: choice.logprobs[j]}
+        for tid, lp in (choice.top_logprobs[j] if choice.top_logprobs else []):
+            step.setdefault(tid, lp)
+        top = list(step.items())[:k]
+        decoded = tokenizer.token_text(token) if tokenizer is not None else None
         content.append({
             "token": s, "logprob": max(choice.logprobs[j], LOGPROB_FLOOR),
-            "bytes": list(s.encode("utf-8")),
+            "bytes": None if decoded is None else list(decoded.encode("utf-8", "replace")),
             "top_logprobs": [
                 {"token": (ts := _token_str(t, parsed, tokenizer)),
-                 "logprob": max(lp, LOGPROB_FLOOR), "bytes": list(ts.encode("utf-8"))}
+                 "logprob": max(lp, LOGPROB_FLOOR),
+                 "bytes": list(ts.encode("utf-8", "replace"))}
                 for t, lp in top],
         })
     return {"content": content}
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens, "prompt_tokens_details": None}
+def _usage(prompt_tokens: int, completion_tokens: int, *,
+           whole: bool = True) -> dict[str, Any]:
+    """vLLM's ``UsageInfo`` (openai/engine/protocol.py:111-115); stream chunks carry only
+    the three counts (set explicitly, dumped ``exclude_unset``/``exclude_none``)."""
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens,
+                             "completion_tokens": completion_tokens}
+    if whole:
+        usage["prompt_tokens_details"] = None
+    return usage
 
 
 def completion_response(parsed: Parsed, choices: Sequence[ChoiceText],
-                        tokenizer: ByteTokenizer | None, created: int) -> dict[str, Any]:
+                        tokenizer: ByteTokenizer | None, created: int, *,
+                        system_fingerprint: str | None = None) -> dict[str, Any]:
+    """vLLM 0.25's ``CompletionResponse.model_dump()`` (completion/protocol.py:520-562)."""
     out = []
     for i, (prompt, c) in enumerate(zip(parsed.prompts, choices, strict=True)):
         out.append({
@@ -468,16 +511,21 @@ def completion_response(parsed: Parsed, choices: Sequence[ChoiceText],
             "token_ids": list(c.token_ids) if parsed.return_token_ids else None,
             "prompt_logprobs": None,
             "prompt_token_ids": list(prompt) if parsed.return_token_ids else None,
+            "routed_experts": None,
         })
     prompt_tokens = sum(len(p) for p in parsed.prompts)
     completion_tokens = sum(len(c.token_ids) for c in choices)
     return {"id": parsed.request_id, "object": "text_completion", "created": created,
-            "model": parsed.model, "choices": out, "system_fingerprint": None,
-            "usage": _usage(prompt_tokens, completion_tokens), "kv_transfer_params": None}
+            "model": parsed.model, "choices": out, "service_tier": None,
+            "system_fingerprint": system_fingerprint,
+            "usage": _usage(prompt_tokens, completion_tokens), "kv_transfer_params": None,
+            "metrics": None}
 
 
 def chat_response(parsed: Parsed, choice: ChoiceText, tokenizer: ByteTokenizer | None,
-                  created: int) -> dict[str, Any]:
+                  created: int, *, system_fingerprint: str | None = None) -> dict[str, Any]:
+    """vLLM 0.25's ``ChatCompletionResponse.model_dump()`` (chat_completion/protocol.py:
+    58-137; ``tool_calls`` is dropped when empty)."""
     prompt = parsed.prompts[0]
     return {
         "id": parsed.request_id, "object": "chat.completion", "created": created,
@@ -491,22 +539,38 @@ def chat_response(parsed: Parsed, choice: ChoiceText, tokenizer: ByteTokenizer |
                          if parsed.logprobs is not None else None),
             "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
             "token_ids": list(choice.token_ids) if parsed.return_token_ids else None,
+            "routed_experts": None,
         }],
-        "system_fingerprint": None,
+        "service_tier": None,
+        "system_fingerprint": system_fingerprint,
         "usage": _usage(len(prompt), len(choice.token_ids)),
         "prompt_logprobs": None,
         "prompt_token_ids": list(prompt) if parsed.return_token_ids else None,
+        "prompt_text": None,
         "kv_transfer_params": None,
+        "metrics": None,
     }
 
 
 def _sse(obj: Any) -> str:
-    return f"data: {dumps(obj)}\n\n"
+    """One event as vLLM writes it: ``data: <model_dump_json>\\n\\n`` (pydantic's compact
+    JSON, whose float text differs from Python's: ``1e-7``, ``0.00001``)."""
+    return f"data: {pydantic_core.to_json(obj).decode('utf-8')}\n\n"
+
+
+def _usage_chunk(head: dict[str, Any], usage: dict[str, Any],
+                 system_fingerprint: str | None) -> str:
+    chunk: dict[str, Any] = {**head, "choices": [], "usage": usage}
+    if system_fingerprint is not None:              # dumped with exclude_none
+        chunk["system_fingerprint"] = system_fingerprint
+    return _sse(chunk)
 
 
 def completion_chunks(parsed: Parsed, choices: Sequence[ChoiceText],
-                      tokenizer: ByteTokenizer | None, created: int) -> Iterator[str]:
-    """SSE events of a streamed completion: one chunk per token, then usage, then [DONE]."""
+                      tokenizer: ByteTokenizer | None, created: int, *,
+                      system_fingerprint: str | None = None) -> Iterator[str]:
+    """SSE events of a streamed completion: one chunk per token, then usage, then [DONE]
+    (vLLM 0.25: completion/serving.py:282-497)."""
     head = {"id": parsed.request_id, "object": "text_completion", "created": created,
             "model": parsed.model}
     for i, (prompt, c) in enumerate(zip(parsed.prompts, choices, strict=True)):
@@ -525,20 +589,22 @@ def completion_chunks(parsed: Parsed, choices: Sequence[ChoiceText],
             }]}
             text_offset += len(delta)
             if parsed.continuous_usage:
-                chunk["usage"] = _usage(len(prompt), j + 1)
+                chunk["usage"] = _usage(len(prompt), j + 1, whole=False)
+            if last and not parsed.include_usage and system_fingerprint is not None:
+                chunk["system_fingerprint"] = system_fingerprint
             yield _sse(chunk)
     if parsed.include_usage:
-        usage = _usage(sum(len(p) for p in parsed.prompts),
-                       sum(len(c.token_ids) for c in choices))
-        usage.pop("prompt_tokens_details")
-        yield _sse({**head, "choices": [], "usage": usage})
+        yield _usage_chunk(head, _usage(sum(len(p) for p in parsed.prompts),
+                                        sum(len(c.token_ids) for c in choices), whole=False),
+                           system_fingerprint)
     yield "data: [DONE]\n\n"
 
 
 def chat_chunks(parsed: Parsed, choice: ChoiceText, tokenizer: ByteTokenizer | None,
-                created: int) -> Iterator[str]:
-    """SSE events of a streamed chat completion: the role chunk (with prompt_token_ids),
-    one chunk per token, then usage, then [DONE]."""
+                created: int, *, system_fingerprint: str | None = None) -> Iterator[str]:
+    """SSE events of a streamed chat completion: the role chunk (with prompt_token_ids
+    and prompt_text), one chunk per token, then usage, then [DONE] (vLLM 0.25:
+    chat_completion/serving.py:408-824)."""
     prompt = parsed.prompts[0]
     head = {"id": parsed.request_id, "object": "chat.completion.chunk", "created": created,
             "model": parsed.model}
@@ -546,8 +612,9 @@ def chat_chunks(parsed: Parsed, choice: ChoiceText, tokenizer: ByteTokenizer | N
         "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
         "finish_reason": None}]}
     if parsed.continuous_usage:
-        first["usage"] = _usage(len(prompt), 0)
+        first["usage"] = _usage(len(prompt), 0, whole=False)
     first["prompt_token_ids"] = list(prompt) if parsed.return_token_ids else None
+    first["prompt_text"] = None                     # set (to None) unless return_prompt_text
     yield _sse(first)
     for j, delta in enumerate(choice.deltas):
         last = j == len(choice.deltas) - 1
@@ -562,12 +629,13 @@ def chat_chunks(parsed: Parsed, choice: ChoiceText, tokenizer: ByteTokenizer | N
         body["token_ids"] = [choice.token_ids[j]] if parsed.return_token_ids else None
         chunk: dict[str, Any] = {**head, "choices": [body]}
         if parsed.continuous_usage:
-            chunk["usage"] = _usage(len(prompt), j + 1)
+            chunk["usage"] = _usage(len(prompt), j + 1, whole=False)
+        if last and not parsed.include_usage and system_fingerprint is not None:
+            chunk["system_fingerprint"] = system_fingerprint
         yield _sse(chunk)
     if parsed.include_usage:
-        usage = _usage(len(prompt), len(choice.token_ids))
-        usage.pop("prompt_tokens_details")
-        yield _sse({**head, "choices": [], "usage": usage})
+        yield _usage_chunk(head, _usage(len(prompt), len(choice.token_ids), whole=False),
+                           system_fingerprint)
     yield "data: [DONE]\n\n"
 
 
