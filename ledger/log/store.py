@@ -10,6 +10,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from ledger.core.errors import TileNotFoundError
@@ -117,6 +118,12 @@ def checkpoint_at(cursor: Any, size: int) -> StoredCheckpoint | None:
                    (size,))
     row = cursor.fetchone()
     return StoredCheckpoint(row[0], bytes(row[1]), bytes(row[2])) if row else None
+
+
+def checkpoint_times(cursor: Any) -> list[tuple[int, datetime]]:
+    """(tree size, when it was stored) of every checkpoint, in size order."""
+    cursor.execute("SELECT tree_size, created_at FROM checkpoints ORDER BY tree_size")
+    return [(int(r[0]), r[1]) for r in cursor.fetchall()]
 
 
 def entries(cursor: Any, start: int, stop: int) -> list[bytes]:

@@ -44,7 +44,13 @@ from ledger.core.tiles import consistency_proof_from_tiles
 from ledger.core.trust import TrustPolicy, WitnessKey, parse_witness_key
 from ledger.db.session import raw_cursor, session_scope
 from ledger.errors import NotFound
-from ledger.log.store import PgTileReader, StoredCheckpoint, checkpoint_at, latest_checkpoint
+from ledger.log.store import (
+    PgTileReader,
+    StoredCheckpoint,
+    checkpoint_at,
+    checkpoint_times,
+    latest_checkpoint,
+)
 from ledger.settings import Settings, get_settings
 from ledger.witness.protocol import (
     SIZE_CONTENT_TYPE,
@@ -393,8 +399,7 @@ def audit_cosignatures(session: Session, policy: TrustPolicy, *,
                     "k.note FROM checkpoint_cosignatures c LEFT JOIN checkpoints k "
                     "ON k.tree_size = c.tree_size ORDER BY c.tree_size, c.witness_name")
         rows = cur.fetchall()
-        cur.execute("SELECT tree_size, created_at FROM checkpoints ORDER BY tree_size")
-        checkpoints: list[tuple[int, datetime]] = [(r[0], r[1]) for r in cur.fetchall()]
+        checkpoints = checkpoint_times(cur)
     for size, name, key_id, timestamp, line, note in rows:
         who = f"the cosignature by {name} of checkpoint {size}"
         if note is None:
