@@ -1,4 +1,8 @@
-"""The one settings object. Nothing else in the code base reads ``os.environ``.
+"""The one settings object: the only reader of ``LEDGER_*`` environment variables.
+
+(Two environment reads are not settings: ``PROMETHEUS_MULTIPROC_DIR``, prometheus-client's
+multiprocess switch, which ``ledger serve --workers N`` sets and ``ledger.api.app`` reads;
+and ``ledger serve`` handing its ``--database-url`` to its worker processes.)
 
 Every field is read from an environment variable named ``LEDGER_<FIELD>`` (upper case),
 e.g. ``LEDGER_DATABASE_URL``, ``LEDGER_BROKER_URL``.

@@ -51,8 +51,9 @@ def build_worker(settings: Settings, *, models: list[str], engine_name: str, dev
 def serve(worker: ReplayWorker, settings: Settings, *, loglevel: str = "INFO") -> None:
     app = make_celery(settings)
 
-    @app.task(name=TASK_REPLAY, bind=True, acks_late=True, reject_on_worker_lost=True)
-    def replay_job(self, job_id: str) -> str:  # type: ignore[no-untyped-def]
+    @app.task(name=TASK_REPLAY, bind=True, acks_late=True,  # type: ignore[untyped-decorator]
+              reject_on_worker_lost=True)  # Celery's decorator has no type hints
+    def replay_job(self: Any, job_id: str) -> str:
         return worker.run_job(job_id)
 
     worker.register()

@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from ledger import __version__
@@ -44,10 +44,10 @@ from ledger.core.compare import Side, compare
 from ledger.core.envelope import Limits, index_fields, parse_statement
 from ledger.core.errors import KeyError_, LedgerError
 from ledger.core.fingerprint import fingerprint_id as compute_fingerprint_id
-from ledger.core.logentry import dsse_digest, log_entry_bytes
-from ledger.core.merkle import leaf_hash, verify_inclusion
+from ledger.core.logentry import verify_record_included
 from ledger.core.note import NoteVerifier, open_checkpoint
 from ledger.core.registry import RegisteredKey
+from ledger.core.states import DISPUTE_DECIDED, DisputeState, JobState
 from ledger.core.trust import TrustPolicy, load_trust_policy
 from ledger.db.models import (
     Envelope,
@@ -74,6 +74,11 @@ log = logging.getLogger("ledger.worker")
 #: Generous limits for reading envelopes back: the ledger already enforced its own.
 READ_LIMITS = Limits(max_prompt_tokens=10**7, max_output_tokens=10**7, max_token_id=2**31,
                      max_top_logprobs=10**4)
+
+
+class Unverifiable(Exception):
+    """An item fails a check before replay: it gets an ``unverifiable`` verdict, with this
+    reason, and is not replayed."""
 
 
 class NoTrustPolicy(RuntimeError):
@@ -228,7 +233,7 @@ class ReplayWorker:
 
     def heartbeat_once(self) -> None:
         with session_scope(self.db) as session:
-            session.execute(Worker.__table__.update().where(
+            session.execute(update(Worker).where(
                 Worker.worker_id == self.worker_id).values(last_heartbeat=datetime.now(UTC)))
 
     def start_heartbeat(self) -> None:
@@ -246,7 +251,7 @@ class ReplayWorker:
         self._stop.set()
         try:
             with session_scope(self.db) as session:
-                session.execute(Worker.__table__.update().where(
+                session.execute(update(Worker).where(
                     Worker.worker_id == self.worker_id).values(stopped_at=datetime.now(UTC)))
         except Exception as exc:  # noqa: BLE001
             log.warning("could not mark the worker stopped: %s", exc)
@@ -282,13 +287,13 @@ class ReplayWorker:
                                            settings=self.settings)
             if claim.action == "poison" and job is not None:
                 self._conclude(session, job, [], outcome_all=("error", claim.reason),
-                               state="poisoned")
+                               state=JobState.POISONED)
             if claim.action == "run" and job is not None:
                 for d in job_service.job_disputes(session, job.id):
-                    if d.state not in ("verdict", "resolved"):
+                    if d.state not in DISPUTE_DECIDED:
                         disputes.emit(session, d, "replaying", self.worker_id, self.signer,
                                       {"job_id": job_id, "attempt": claim.attempt},
-                                      state="replaying")
+                                      state=DisputeState.REPLAYING)
         if claim.action != "run":
             log.info("job %s: %s (%s)", job_id, claim.action, claim.reason)
             return claim.action
@@ -299,16 +304,16 @@ class ReplayWorker:
         except Exception as exc:
             log.exception("job %s failed", job_id)
             self._failed(job_id, f"{type(exc).__name__}: {exc}")
-            return "failed"
+            return JobState.FAILED
         duration_ms = (time.perf_counter() - started) * 1000
         with session_scope(self.db) as session:
             job = session.get(ReplayJob, uuid.UUID(job_id), with_for_update=True)
             assert job is not None
-            if job.state != "running" or job.worker_id != self.worker_id:
+            if job.state != JobState.RUNNING or job.worker_id != self.worker_id:
                 return "skip"  # the sweeper gave it to another worker meanwhile
             self._conclude(session, job, list(zip(prepared, results, strict=True)),
                            duration_ms=duration_ms)
-        return "done"
+        return JobState.DONE
 
     def configuration_problems(self) -> list[str]:
         """What would make this worker's verdicts a statement about its own settings (a
@@ -378,84 +383,103 @@ class ReplayWorker:
                     foreign_ok: bool = False) -> Prepared:
         """Signature, inclusion, fingerprint, artifacts, sampling: anything that fails makes
         the item unverifiable with the reason."""
+        self._maybe_crash(item)
+        prep = Prepared(item)
+        try:
+            with session_scope(self.db) as session:
+                envelope = self._signed_envelope(session, item, producers)
+                prep.checkpoint = self._check_in_log(session, item, envelope)
+            self._read_request(prep, envelope, foreign_ok=foreign_ok)
+        except Unverifiable as exc:
+            prep.problem = str(exc)
+        return prep
+
+    def _maybe_crash(self, item: ReplayJobItem) -> None:
+        """Fault injection (tests of poisoned jobs): die abruptly on one request ID."""
         fault = self.settings.fault_crash_on_request_id
         if fault and item.request_id == fault:
             log.error("fault injection: exiting abruptly while replaying %s", fault)
             os._exit(137)
-        prep = Prepared(item)
-        deadline = time.monotonic() + 30
-        with session_scope(self.db) as session:
-            env = session.get(Envelope, item.envelope_index)
-            if env is None:
-                prep.problem = "the envelope record is missing"
-                return prep
 
-            def producer_key(kid: str) -> bytes:
-                key = producers.get(kid)
-                if key is None:
-                    raise KeyError_(f"producer key {kid} is not vouched for by a registry "
-                                    "leaf signed by a trusted service key")
-                why = key.valid_at_index(item.envelope_index)
-                if why is not None:
-                    raise KeyError_(why)
-                return key.public_key
+    @staticmethod
+    def _signed_envelope(session: Any, item: ReplayJobItem,
+                         producers: dict[str, RegisteredKey]) -> dsse.Envelope:
+        """The stored envelope, its signature checked against a producer key this worker
+        believes (valid at the envelope's log index)."""
+        env = session.get(Envelope, item.envelope_index)
+        if env is None:
+            raise Unverifiable("the envelope record is missing")
 
+        def producer_key(kid: str) -> bytes:
+            key = producers.get(kid)
+            if key is None:
+                raise KeyError_(f"producer key {kid} is not vouched for by a registry "
+                                "leaf signed by a trusted service key")
+            why = key.valid_at_index(item.envelope_index)
+            if why is not None:
+                raise KeyError_(why)
+            return key.public_key
+
+        try:
+            envelope = dsse.envelope_from_json(bytes(env.dsse))
+            dsse.verify_envelope(envelope, producer_key)
+        except LedgerError as exc:
+            raise Unverifiable(f"bad signature: {exc.message}") from exc
+        return envelope
+
+    @staticmethod
+    def _receipt(session: Any, index: int, wait_s: float = 30) -> proofs.InclusionReceipt:
+        """The entry's inclusion proof, waiting up to ``wait_s`` for a checkpoint to
+        cover it."""
+        deadline = time.monotonic() + wait_s
+        while True:
             try:
-                envelope = dsse.envelope_from_json(bytes(env.dsse))
-                dsse.verify_envelope(envelope, producer_key)
-            except LedgerError as exc:
-                prep.problem = f"bad signature: {exc.message}"
-                return prep
-            while True:
-                try:
-                    receipt = proofs.inclusion(session, item.envelope_index)
-                    break
-                except proofs.NotYetIntegrated:
-                    session.rollback()
-                    if time.monotonic() > deadline:
-                        prep.problem = "the envelope is not in a signed checkpoint yet"
-                        return prep
-                    time.sleep(0.2)
-            try:
-                checkpoint = open_checkpoint(receipt.checkpoint.note,
-                                             self._log_verifiers(session),
-                                             origin=self.settings.log_name)
-                want = log_entry_bytes("envelope", item.request_id,
-                                       dsse_digest(envelope.canonical_bytes()))
-                if want != receipt.entry:
-                    raise LedgerError("the log entry does not commit to this envelope")
-                verify_inclusion(leaf_hash(want), item.envelope_index, checkpoint.size,
-                                 receipt.proof, checkpoint.root_hash)
-            except LedgerError as exc:
-                prep.problem = f"not verifiably in the log: {exc.message}"
-                return prep
-            prep.checkpoint = {"tree_size": checkpoint.size,
-                               "root_hash": checkpoint.root_hash.hex()}
+                return proofs.inclusion(session, index)
+            except proofs.NotYetIntegrated:
+                session.rollback()
+                if time.monotonic() > deadline:
+                    raise Unverifiable("the envelope is not in a signed checkpoint yet") from None
+                time.sleep(0.2)
+
+    def _check_in_log(self, session: Any, item: ReplayJobItem,
+                      envelope: dsse.Envelope) -> dict[str, Any]:
+        """Check the envelope is in a checkpoint signed by a log key this worker trusts;
+        the checkpoint's size and root (hex)."""
+        receipt = self._receipt(session, item.envelope_index)
+        try:
+            checkpoint = open_checkpoint(receipt.checkpoint.note, self._log_verifiers(session),
+                                         origin=self.settings.log_name)
+            verify_record_included("envelope", item.request_id, envelope.canonical_bytes(),
+                                   item.envelope_index, checkpoint.size, checkpoint.root_hash,
+                                   receipt.proof, served_entry=receipt.entry)
+        except LedgerError as exc:
+            raise Unverifiable(f"not verifiably in the log: {exc.message}") from exc
+        return {"tree_size": checkpoint.size, "root_hash": checkpoint.root_hash.hex()}
+
+    def _read_request(self, prep: Prepared, envelope: dsse.Envelope, *,
+                      foreign_ok: bool) -> None:
+        """Parse the signed statement into the request to replay and the recorded side."""
         try:
             statement = parse_statement(envelope.payload, READ_LIMITS)
         except LedgerError as exc:
-            prep.problem = f"the envelope does not parse: {exc.message}"
-            return prep
+            raise Unverifiable(f"the envelope does not parse: {exc.message}") from exc
         p = statement.predicate
-        if not foreign_ok and index_fields(statement).fingerprint_id != self.fingerprint_id:
-            prep.problem = (f"the envelope's fingerprint {index_fields(statement).fingerprint_id}"
-                            f" is not this worker's {self.fingerprint_id}")
-            return prep
+        recorded_fp = index_fields(statement).fingerprint_id
+        if not foreign_ok and recorded_fp != self.fingerprint_id:
+            raise Unverifiable(f"the envelope's fingerprint {recorded_fp} is not this "
+                               f"worker's {self.fingerprint_id}")
         if p.artifacts.model_sha256 not in self.models:
-            prep.problem = (f"model {p.artifacts.model_sha256} ({p.artifacts.model_name}) is "
-                            "not on this worker")
-            return prep
-        sampling = p.sampling.model_dump()
+            raise Unverifiable(f"model {p.artifacts.model_sha256} ({p.artifacts.model_name}) "
+                               "is not on this worker")
         try:
-            params = SamplingParams.from_mapping(sampling)
+            params = SamplingParams.from_mapping(p.sampling.model_dump())
             from workers.engine.sampling import validate
 
             validate(params)
         except (ValueError, TypeError) as exc:
-            prep.problem = f"unsupported sampling contract: {exc}"
-            return prep
+            raise Unverifiable(f"unsupported sampling contract: {exc}") from exc
         prep.model_sha256 = p.artifacts.model_sha256
-        prep.request = GenerationRequest(id=item.request_id,
+        prep.request = GenerationRequest(id=prep.item.request_id,
                                          prompt_token_ids=tuple(p.prompt_token_ids),
                                          sampling=params)
         out = p.output
@@ -466,7 +490,6 @@ class ReplayWorker:
             logits_sha256=out.logits_sha256)
         prep.tier = p.tier
         prep.tolerance = p.tolerance.max_abs_logprob_diff if p.tolerance else None
-        return prep
 
     def _replay(self, prepared: list[Prepared]) -> list[GenerationResult | None]:
         """Run every replayable item, one batch per model, in job order."""
@@ -519,7 +542,7 @@ class ReplayWorker:
     def _conclude(self, session: Any, job: ReplayJob,
                   pairs: list[tuple[Prepared, GenerationResult | None]], *,
                   duration_ms: float = 0.0, outcome_all: tuple[str, str] | None = None,
-                  state: str = "done") -> None:
+                  state: str = JobState.DONE) -> None:
         """Sign and store every verdict, finish the job: one transaction."""
         if outcome_all is not None:
             items = list(session.scalars(select(ReplayJobItem).where(
@@ -549,14 +572,14 @@ class ReplayWorker:
         attempts are spent."""
         with session_scope(self.db) as session:
             job = session.get(ReplayJob, uuid.UUID(job_id), with_for_update=True)
-            if job is None or job.state != "running" or job.worker_id != self.worker_id:
+            if job is None or job.state != JobState.RUNNING or job.worker_id != self.worker_id:
                 return
             if job.attempts >= job.max_attempts:
                 self._conclude(session, job, [], outcome_all=(
                     "error", f"engine failure after {job.attempts} attempts: {error}"),
-                    state="failed")
+                    state=JobState.FAILED)
                 return
-            job_service.finish(session, job, state="queued", worker_id=self.worker_id,
+            job_service.finish(session, job, state=JobState.QUEUED, worker_id=self.worker_id,
                                detail=error, attempt_outcome="error")
             job.finished_at, job.worker_id, job.published_at = None, None, None
             job.state_reason = f"attempt {job.attempts} failed: {error}"

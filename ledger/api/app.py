@@ -14,8 +14,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import orjson
@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ledger import __version__, console, metrics
+from ledger.api import schemas as api_schemas
 from ledger.api.deps import UnknownQueryParameters, reject_unknown_query
 from ledger.api.links import add_links
 from ledger.api.routes import envelopes, health, keys
@@ -205,7 +206,7 @@ class MetricsListener:
         registry: Any = REGISTRY
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # set by `ledger serve --workers N`
             registry = CollectorRegistry()
-            prom_multiprocess.MultiProcessCollector(registry)
+            prom_multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
         if self.extra is not None:
             registry = _Combined(registry, self.extra)
         while not self._stop.is_set():
@@ -256,10 +257,11 @@ def start_integrator(settings: Settings, engine: Engine,
     return thread
 
 
-def create_app(settings: Settings | None = None, engine: Engine | None = None,
-               publisher: Publisher | None = None) -> FastAPI:
-    settings = settings or get_settings()
-    engine = engine or make_engine(settings)
+def _lifespan(settings: Settings, engine: Engine
+              ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Start-up (register the service key, warm the broker publisher, start the integrator
+    and the metrics listener) and their shutdown."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if app.state.service_signer is not None:
@@ -274,24 +276,137 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
                 warm()
             except Exception as exc:  # noqa: BLE001 - the first publish then pays for it
                 log.warning("could not prepare the broker publisher: %s", exc)
-        integrator = start_integrator(settings, engine, app.state.service_signer)
-        app.state.integrator = integrator
+        app.state.integrator = start_integrator(settings, engine, app.state.service_signer)
         from ledger.replay.alerts import DriftCollector
 
-        listener = MetricsListener(settings.metrics_host, settings.metrics_port,
-                                   extra=DriftCollector(engine)).start() \
+        app.state.metrics_listener = MetricsListener(
+            settings.metrics_host, settings.metrics_port, extra=DriftCollector(engine)).start() \
             if settings.metrics_port else None
-        app.state.metrics_listener = listener
         try:
             yield
         finally:
-            if integrator is not None:
-                integrator.stop()
-            if listener is not None:
-                listener.stop()
+            if app.state.integrator is not None:
+                app.state.integrator.stop()
+            if app.state.metrics_listener is not None:
+                app.state.metrics_listener.stop()
 
+    return lifespan
+
+
+# --- errors as problem+json, in one place -------------------------------------------------
+
+async def _ledger_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, LedgerError)
+    headers = None
+    if isinstance(exc, Unavailable):
+        headers = {"Retry-After": str(exc.retry_after)}
+    elif status_for(exc) == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    body = problem_for(exc)
+    if isinstance(exc, UnknownQueryParameters):
+        body["parameters"] = exc.parameters
+    return _problem_response(body, headers)
+
+
+async def _validation_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    errors = [{"loc": ".".join(str(p) for p in e.get("loc", ())), "msg": e.get("msg"),
+               "type": e.get("type")} for e in exc.errors()[:20]]
+    first = errors[0] if errors else {"loc": "", "msg": "invalid"}
+    return _problem_response(problem(422, "invalid_request",
+                                     f"{first['loc']}: {first['msg']}", errors=errors))
+
+
+async def _http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return _problem_response(problem(exc.status_code, code, str(exc.detail)),
+                             getattr(exc, "headers", None))
+
+
+async def _data_error(_: Request, exc: Exception) -> Response:
+    return _problem_response(problem(400, "invalid_input",
+                                     "a value cannot be stored or compared: " +
+                                     str(getattr(exc, "orig", exc)).splitlines()[0]))
+
+
+async def _pool_exhausted(_: Request, exc: Exception) -> Response:
+    return _problem_response(problem(503, "overloaded", "no database connection free; "
+                                     "retry after Retry-After seconds"), {"Retry-After": "1"})
+
+
+def _database_unavailable() -> Response:
+    return _problem_response(problem(503, "database_unavailable",
+                                     "the database is unavailable; retry later"),
+                             {"Retry-After": "2"})
+
+
+async def _database_error(_: Request, exc: Exception) -> Response:
+    if isinstance(exc, DBAPIError) and not exc.connection_invalidated and not isinstance(
+            exc, OperationalError):
+        log.exception("database error")
+        return _problem_response(problem(500, "internal_error", "database error"))
+    log.warning("database unavailable: %s", type(exc).__name__)
+    return _database_unavailable()
+
+
+async def _driver_unavailable(_: Request, exc: Exception) -> Response:
+    log.warning("database unavailable: %s", exc)
+    return _database_unavailable()
+
+
+async def _unexpected(_: Request, exc: Exception) -> Response:
+    log.exception("unexpected error")
+    return _problem_response(problem(500, "internal_error", "internal error"))
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    """Every error becomes RFC 9457 problem+json: ledger errors by their class and code,
+    request validation as 422, a lost database as 503 with ``Retry-After``, anything else
+    as a logged 500 that names nothing."""
+    for exc_class, handler in ((LedgerError, _ledger_error),
+                               (RequestValidationError, _validation_error),
+                               (StarletteHTTPException, _http_error),
+                               (DataError, _data_error),
+                               (SATimeoutError, _pool_exhausted),
+                               (OperationalError, _database_error),
+                               (DBAPIError, _database_error),
+                               (psycopg.OperationalError, _driver_unavailable),
+                               (Exception, _unexpected)):
+        app.add_exception_handler(exc_class, handler)
+
+
+# --- the OpenAPI document -----------------------------------------------------------------
+
+def _install_openapi(app: FastAPI) -> None:
+    """The generated document, plus the problem schema, the envelope bodies the envelope
+    routes read themselves, the closed query string and the links between operations."""
+    original_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = original_openapi()
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        comps["Problem"] = Problem.model_json_schema()
+        for name in ("DsseEnvelopeIn", "BatchIn", "DsseSignature"):
+            if name not in comps:
+                comps[name] = getattr(api_schemas, name).model_json_schema(
+                    ref_template="#/components/schemas/{model}")
+                comps.update(comps[name].pop("$defs", {}))
+        _document_closed_query(schema)
+        app.openapi_schema = add_links(schema)
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def create_app(settings: Settings | None = None, engine: Engine | None = None,
+               publisher: Publisher | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    engine = engine or make_engine(settings)
     app = FastAPI(
-        lifespan=lifespan,
+        lifespan=_lifespan(settings, engine),
         title="inference-ledger",
         version=__version__,
         summary="Signed execution envelopes in a tamper-evident transparency log, "
@@ -307,94 +422,12 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
                                                 "ledger-service")
     app.state.publisher = publisher if publisher is not None else CeleryPublisher(
         settings, timeout_s=settings.broker_publish_timeout_s)
-
-    @app.exception_handler(LedgerError)
-    async def ledger_error(_: Request, exc: LedgerError) -> Response:
-        headers = None
-        if isinstance(exc, Unavailable):
-            headers = {"Retry-After": str(exc.retry_after)}
-        elif status_for(exc) == 401:
-            headers = {"WWW-Authenticate": "Bearer"}
-        body = problem_for(exc)
-        if isinstance(exc, UnknownQueryParameters):
-            body["parameters"] = exc.parameters
-        return _problem_response(body, headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
-        errors = [{"loc": ".".join(str(p) for p in e.get("loc", ())), "msg": e.get("msg"),
-                   "type": e.get("type")} for e in exc.errors()[:20]]
-        first = errors[0] if errors else {"loc": "", "msg": "invalid"}
-        return _problem_response(problem(422, "invalid_request",
-                                         f"{first['loc']}: {first['msg']}", errors=errors))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-        return _problem_response(problem(exc.status_code, code, str(exc.detail)),
-                                 getattr(exc, "headers", None))
-
-    @app.exception_handler(DataError)
-    async def data_error(_: Request, exc: Exception) -> Response:
-        return _problem_response(problem(400, "invalid_input",
-                                         "a value cannot be stored or compared: " +
-                                         str(getattr(exc, "orig", exc)).splitlines()[0]))
-
-    @app.exception_handler(SATimeoutError)
-    async def pool_exhausted(_: Request, exc: Exception) -> Response:
-        return _problem_response(problem(503, "overloaded", "no database connection free; "
-                                         "retry after Retry-After seconds"),
-                                 {"Retry-After": "1"})
-
-    @app.exception_handler(OperationalError)
-    @app.exception_handler(DBAPIError)
-    async def database_error(_: Request, exc: Exception) -> Response:
-        if isinstance(exc, DBAPIError) and not exc.connection_invalidated and not isinstance(
-                exc, OperationalError):
-            log.exception("database error")
-            return _problem_response(problem(500, "internal_error", "database error"))
-        log.warning("database unavailable: %s", type(exc).__name__)
-        return _problem_response(problem(503, "database_unavailable",
-                                         "the database is unavailable; retry later"),
-                                 {"Retry-After": "2"})
-
-    @app.exception_handler(psycopg.OperationalError)
-    async def driver_unavailable(_: Request, exc: Exception) -> Response:
-        log.warning("database unavailable: %s", exc)
-        return _problem_response(problem(503, "database_unavailable",
-                                         "the database is unavailable; retry later"),
-                                 {"Retry-After": "2"})
-
-    @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> Response:
-        log.exception("unexpected error")
-        return _problem_response(problem(500, "internal_error", "internal error"))
-
+    add_exception_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
     console.mount(app)  # /console and /docs (the reviewer console, #15)
     app.add_middleware(BodyLimitAndMetrics, max_body=settings.max_request_bytes,
                        max_inflight=settings.max_inflight_requests,
                        max_inflight_bytes=settings.max_inflight_bytes)
-
-    original_openapi = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        if app.openapi_schema:
-            return app.openapi_schema
-        schema = original_openapi()
-        comps = schema.setdefault("components", {}).setdefault("schemas", {})
-        comps["Problem"] = Problem.model_json_schema()
-        for name in ("DsseEnvelopeIn", "BatchIn", "DsseSignature"):
-            if name not in comps:
-                from ledger.api import schemas as s
-
-                comps[name] = getattr(s, name).model_json_schema(
-                    ref_template="#/components/schemas/{model}")
-                comps.update(comps[name].pop("$defs", {}))
-        _document_closed_query(schema)
-        app.openapi_schema = add_links(schema)
-        return app.openapi_schema
-
-    app.openapi = openapi  # type: ignore[method-assign]
+    _install_openapi(app)
     return app

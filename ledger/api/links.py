@@ -82,7 +82,7 @@ LINKS: tuple[Link, ...] = (
          "GET /v1/reverification-runs", {"query.kind": "policy"},
          description="Runs of re-verification policies"),
     Link("GET /v1/reverification-runs", ("200",), "GetRun",
-         "GET /v1/reverification-runs/{run_id}", {"path.run_id": "$response.body#/0/id"}),
+         "GET /v1/reverification-runs/{run_id}", {"path.run_id": "$response.body#/items/0/id"}),
     # the log: prove the latest checkpoint consistent with later ones
     Link("GET /v1/log/checkpoint", ("200",), "ConsistencyFromCheckpoint",
          "GET /v1/log/consistency", {"query.from": "$response.body#/tree_size"}),

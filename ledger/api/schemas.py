@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import fields as dataclass_fields
 from datetime import datetime
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
+
+from ledger.api.params import FINGERPRINT_PATTERN, AwareTime, RequestIdField
+from ledger.core.envelope import SHA256_HEX_PATTERN, IndexFields
+from ledger.core.states import DisputeState, Priority, Resolution
+
+T = TypeVar("T")
 
 # Free text from clients: no control characters (PostgreSQL text cannot hold NUL at all).
 SAFE_TEXT = r"^[^\x00-\x1f\x7f]*$"
@@ -80,20 +87,24 @@ class BatchOut(BaseModel):
     results: list[IngestResult]
 
 
-class IndexFieldsOut(BaseModel):
-    request_id: str
+class _StoredIndexFields(BaseModel):
+    """What the ledger adds to an envelope's own index fields when it stores it."""
+
     log_index: int
-    recorded_at: datetime
     ingested_at: datetime
-    channel: str
-    tier: str
-    model_sha256: str
-    model_name: str
-    fingerprint_id: str
-    prompt_tokens: int
-    output_tokens: int
     keyids: list[str]
     dsse_sha256: str
+
+
+#: An envelope's index columns: :class:`ledger.core.envelope.IndexFields` (from the signed
+#: statement) plus what storing it added.
+if TYPE_CHECKING:
+    IndexFieldsOut = _StoredIndexFields
+else:
+    IndexFieldsOut = create_model(
+        "IndexFieldsOut", __base__=_StoredIndexFields,
+        **{f.name: (get_type_hints(IndexFields)[f.name], ...)
+           for f in dataclass_fields(IndexFields)})
 
 
 class EnvelopeOut(BaseModel):
@@ -103,9 +114,15 @@ class EnvelopeOut(BaseModel):
     index: IndexFieldsOut
 
 
-class EnvelopePage(BaseModel):
-    items: list[IndexFieldsOut]
-    next_cursor: str | None
+class Page(BaseModel, Generic[T]):
+    """The one list shape: a page of items and the cursor of the next (None at the end)."""
+
+    items: list[T]
+    next_cursor: str | None = Field(description="pass as `cursor` for the next page")
+
+
+class EnvelopePage(Page[IndexFieldsOut]):
+    pass
 
 
 class KeyIn(BaseModel):
@@ -114,8 +131,8 @@ class KeyIn(BaseModel):
                             max_length=2000)
     purpose: Literal["producer", "worker", "log", "ledger"]
     name: str = Field(min_length=1, max_length=200, pattern=SAFE_TEXT)
-    not_before: datetime | None = None
-    not_after: datetime | None = None
+    not_before: AwareTime | None = None
+    not_after: AwareTime | None = None
 
 
 class KeyOut(BaseModel):
@@ -157,6 +174,7 @@ class ApiKeyCreated(ApiKeyOut):
 
 
 class AuditEventOut(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
     id: int
     at: datetime
     actor: str
@@ -166,6 +184,221 @@ class AuditEventOut(BaseModel):
     details: dict[str, Any]
 
 
-class AuditPage(BaseModel):
-    items: list[AuditEventOut]
-    next_after: int | None
+class AuditPage(Page[AuditEventOut]):
+    next_after: int | None = Field(description="the last item's id (the older `after` "
+                                   "cursor, kept)")
+
+
+# --- disputes, verdicts, workers, re-verification ---------------------------------------
+
+class DisputeIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    request_id: RequestIdField
+    reason: str = Field(min_length=1, max_length=4000, pattern=SAFE_TEXT)
+    priority: Priority = Priority.NORMAL
+
+
+class CommentIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    text: str = Field(min_length=1, max_length=10_000, pattern=SAFE_TEXT)
+
+
+class ResolveIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    resolution: Resolution
+    note: str = Field(min_length=1, max_length=10_000, pattern=SAFE_TEXT)
+
+
+class CommentOut(BaseModel):
+    seq: int
+    event_id: str
+    log_index: int
+
+
+class DisputeOut(BaseModel):
+    """A dispute; state, resolution and verdict as its signed events say (``integrity``
+    names the stored columns that disagree)."""
+
+    id: str
+    request_id: str
+    envelope_log_index: int
+    fingerprint_id: str
+    reason: str
+    priority: str
+    state: DisputeState | str | None
+    state_reason: str | None
+    opened_by: str
+    opened_at: datetime
+    updated_at: datetime
+    job_id: str | None
+    verdict_id: str | None
+    resolution: str | None
+    resolution_note: str | None
+    resolved_by: str | None
+    resolved_at: datetime | str | None
+    integrity: dict[str, Any]
+
+
+class DisputeEventOut(BaseModel):
+    seq: int | None
+    event_id: str | None
+    kind: str | None
+    actor: str | None
+    at: datetime | str | None
+    body: dict[str, Any] | None
+    log_index: int
+    integrity: dict[str, Any]
+
+
+class AttemptOut(BaseModel):
+    attempt: int
+    worker_id: str | None
+    fingerprint_id: str | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    outcome: str | None
+    detail: str | None
+
+
+class VerdictOut(BaseModel):
+    """A verdict as the worker signed it, with the stored DSSE envelope."""
+
+    verdict_id: str | None
+    log_index: int
+    job_id: str
+    request_id: str | None
+    envelope_log_index: int | None
+    outcome: str | None
+    tier: str | None
+    worker_id: str | None
+    fingerprint_id: str | None
+    details: dict[str, Any] | None
+    created_at: datetime
+    dsse: dict[str, Any]
+    integrity: dict[str, Any]
+
+
+class VerdictWithProofOut(VerdictOut):
+    proof: dict[str, Any] | None = Field(description="inclusion proof; null until integrated")
+
+
+class DisputeDetailOut(DisputeOut):
+    events: list[DisputeEventOut]
+    attempts: list[AttemptOut]
+    verdict: VerdictOut | None
+    proofs: dict[str, Any] = Field(description="inclusion proofs of the envelope, the "
+                                   "verdict and each event (null until integrated)")
+
+
+class DisputePage(Page[DisputeOut]):
+    next_before: datetime | None = Field(description="the last item's opened_at when the "
+                                         "page is full (the older `before` cursor, kept: "
+                                         "it skips disputes opened at the same instant)")
+
+
+class WorkerOut(BaseModel):
+    worker_id: str
+    fingerprint_id: str
+    engine: str
+    version: str
+    models: Any
+    hostname: str | None
+    started_at: datetime
+    last_heartbeat: datetime
+    stopped_at: datetime | None
+    live: bool
+    runtime: dict[str, Any]
+
+
+class FingerprintOut(BaseModel):
+    fingerprint_id: str
+    runtime: dict[str, Any]
+    first_seen_at: datetime
+    envelopes: int
+    live_workers: list[str]
+    has_live_worker: bool
+    jobs_awaiting_worker: int
+
+
+class FingerprintPage(Page[FingerprintOut]):
+    without_live_worker: list[str]
+
+
+class PolicyIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=200, pattern=SAFE_TEXT)
+    interval_seconds: int = Field(ge=1, le=366 * 86400)
+    sample_size: int | None = Field(default=None, ge=1, le=100_000)
+    sample_rate: float | None = Field(default=None, gt=0.0, le=1.0)
+    model_sha256: str | None = Field(default=None, pattern=SHA256_HEX_PATTERN)
+    fingerprint_id: str | None = Field(default=None, pattern=FINGERPRINT_PATTERN)
+    channel: Literal["deterministic", "performance"] | None = None
+    min_age_seconds: int = Field(default=0, ge=0, le=10 * 366 * 86400)
+    max_age_seconds: int | None = Field(default=None, ge=1, le=10 * 366 * 86400)
+    first_window_start: AwareTime | None = Field(
+        default=None, description="default: now (only future windows are sampled)")
+    enabled: bool = True
+    drift_alert_threshold: float | None = Field(
+        default=None, ge=0.0, le=1.0, description="Alert (LEDGER_WEBHOOK_URL) when a run's "
+        "drift rate for a (fingerprint, model) exceeds this.")
+
+    @model_validator(mode="after")
+    def _one_sampling_rule(self) -> PolicyIn:
+        if (self.sample_size is None) == (self.sample_rate is None):
+            raise ValueError("give exactly one of sample_size and sample_rate")
+        return self
+
+
+class PolicyOut(BaseModel):
+    id: str
+    name: str
+    interval_seconds: int
+    sample_size: int | None
+    sample_rate: float | None
+    model_sha256: str | None
+    fingerprint_id: str | None
+    channel: str | None
+    min_age_seconds: int
+    max_age_seconds: int | None
+    enabled: bool
+    drift_alert_threshold: float | None = None
+    created_by: str | None
+    created_at: datetime
+    first_window_start: datetime
+
+
+class PolicyPatch(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = Field(description="false pauses the policy, true resumes it")
+
+
+class PolicyWithRunsOut(PolicyOut):
+    runs: int
+
+
+class PolicyPage(Page[PolicyWithRunsOut]):
+    pass
+
+
+class RunOut(BaseModel):
+    id: str
+    kind: str
+    policy_id: str | None
+    window_start: datetime | None
+    window_end: datetime | None
+    sampled: int
+    details: dict[str, Any]
+    created_at: datetime
+
+
+class RunPage(Page[RunOut]):
+    pass
+
+
+class RunReportOut(RunOut):
+    jobs: dict[str, int]
+    complete: bool
+    counts: dict[str, int]
+    tiers: dict[str, int]
+    drift: list[dict[str, Any]]
+    diverged: list[dict[str, Any]]

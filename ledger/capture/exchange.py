@@ -432,6 +432,16 @@ def _choice_request_id(response_id: Any, index: int, choices: int) -> str | None
     return response_id if choices == 1 else f"{response_id}-{index}"
 
 
+def _added_members(choice: dict[str, jsonedit.Member], plan: Plan) -> list[jsonedit.Member]:
+    """The members of a choice that the proxy added to the request (so the client, which
+    did not ask for them, gets them as null)."""
+    asked = {"token_ids": plan.added_token_ids,
+             "prompt_token_ids": plan.added_token_ids and plan.kind == "completion",
+             "logprobs": plan.added_logprobs}
+    return [m for name, wanted in asked.items()
+            if wanted and (m := choice.get(name)) is not None and m.value is not None]
+
+
 def edit_response(plan: Plan, body: bytes) -> tuple[bytes, list[Captured]]:
     """The client's body (the upstream's bytes, asked-for members nulled) and what to record.
 
@@ -460,13 +470,7 @@ def edit_response(plan: Plan, body: bytes) -> tuple[bytes, list[Captured]]:
             seq.logprobs = seq.top = None
         seq.finish_reason = choice["finish_reason"].value if "finish_reason" in choice else None
         seq.stop_reason = choice["stop_reason"].value if "stop_reason" in choice else None
-        for name, asked in (("token_ids", plan.added_token_ids),
-                            ("prompt_token_ids", plan.added_token_ids and
-                             plan.kind == "completion"),
-                            ("logprobs", plan.added_logprobs)):
-            member = choice.get(name)
-            if asked and member is not None and member.value is not None:
-                nulls.append(member)
+        nulls += _added_members(choice, plan)
         index = choice["index"].value if "index" in choice else position
         rid = _choice_request_id(scanned.value("id"), index if _is_int(index) else position,
                                  len(scanned.choices))
@@ -566,13 +570,7 @@ class StreamEditor:
                 seq.finish_reason = finish.value
                 stop = choice.get("stop_reason")
                 seq.stop_reason = stop.value if stop is not None else None
-            for name, asked in (("token_ids", plan.added_token_ids),
-                                ("prompt_token_ids", plan.added_token_ids and
-                                 plan.kind == "completion"),
-                                ("logprobs", plan.added_logprobs)):
-                member = choice.get(name)
-                if asked and member is not None and member.value is not None:
-                    nulls.append(member)
+            nulls += _added_members(choice, plan)
             delta = choice.get("delta")
             if not (delta is not None and delta.value == {} and
                     (finish is None or finish.value is None)):

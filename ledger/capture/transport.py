@@ -109,52 +109,67 @@ def _response_headers(response: httpx.Response, length: int | None) -> list[tupl
     return headers
 
 
-class _EditedStream(httpx.SyncByteStream):
+class _StreamEdits:
+    """What the sync and async streams share: pieces through the editor, the capture
+    finished at the end, or noted as not captured when the client closes early."""
+
     def __init__(self, response: httpx.Response, editor: StreamEditor,
                  capture: _Capture) -> None:
         self._response, self._editor, self._capture = response, editor, capture
         self._finished = False
 
-    def __iter__(self) -> Iterator[bytes]:
-        for piece in self._response.stream:  # type: ignore[union-attr]
-            out = self._editor.feed(piece)
-            if out:
-                yield out
-        rest = self._editor.finish()
-        if rest:
-            yield rest
+    def _done(self) -> None:
         self._finished = True
         self._capture.finish_stream(self._editor)
 
-    def close(self) -> None:
+    def _closing(self) -> None:
         if not self._finished:
             self._finished = True
             self._capture.recorder.note_not_captured("the client closed the stream early")
+
+
+class _EditedStream(_StreamEdits, httpx.SyncByteStream):
+    def __iter__(self) -> Iterator[bytes]:
+        for piece in self._response.stream:  # type: ignore[union-attr]
+            if out := self._editor.feed(piece):
+                yield out
+        if rest := self._editor.finish():
+            yield rest
+        self._done()
+
+    def close(self) -> None:
+        self._closing()
         self._response.close()
 
 
-class _AsyncEditedStream(httpx.AsyncByteStream):
-    def __init__(self, response: httpx.Response, editor: StreamEditor,
-                 capture: _Capture) -> None:
-        self._response, self._editor, self._capture = response, editor, capture
-        self._finished = False
-
+class _AsyncEditedStream(_StreamEdits, httpx.AsyncByteStream):
     async def __aiter__(self) -> AsyncIterator[bytes]:
         async for piece in self._response.stream:  # type: ignore[union-attr]
-            out = self._editor.feed(piece)
-            if out:
+            if out := self._editor.feed(piece):
                 yield out
-        rest = self._editor.finish()
-        if rest:
+        if rest := self._editor.finish():
             yield rest
-        self._finished = True
-        self._capture.finish_stream(self._editor)
+        self._done()
 
     async def aclose(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self._capture.recorder.note_not_captured("the client closed the stream early")
+        self._closing()
         await self._response.aclose()
+
+
+def _streams_edited(plan: Plan, response: httpx.Response) -> bool:
+    """A streamed answer is edited as it streams (when it is not compressed)."""
+    return plan.stream and response.headers.get("content-encoding", "identity") == "identity"
+
+
+def _replaced(response: httpx.Response,
+              content: bytes | httpx.SyncByteStream | httpx.AsyncByteStream) -> httpx.Response:
+    """The upstream's response with its body replaced by the edited one."""
+    if isinstance(content, bytes):
+        return httpx.Response(response.status_code,
+                              headers=_response_headers(response, len(content)),
+                              stream=httpx.ByteStream(content), extensions=response.extensions)
+    return httpx.Response(response.status_code, headers=_response_headers(response, None),
+                          stream=content, extensions=response.extensions)
 
 
 class RecordingTransport(httpx.BaseTransport):
@@ -173,18 +188,11 @@ class RecordingTransport(httpx.BaseTransport):
         response = self.inner.handle_request(upstream_request)
         if response.status_code != 200:
             return response
-        if plan.stream and response.headers.get("content-encoding", "identity") == "identity":
-            editor = StreamEditor(plan)
-            return httpx.Response(response.status_code,
-                                  headers=_response_headers(response, None),
-                                  stream=_EditedStream(response, editor, self.capture),
-                                  extensions=response.extensions)
+        if _streams_edited(plan, response):
+            return _replaced(response, _EditedStream(response, StreamEditor(plan), self.capture))
         body = response.read()
         response.close()
-        edited = self.capture.finish_body(plan, response, body)
-        return httpx.Response(response.status_code,
-                              headers=_response_headers(response, len(edited)),
-                              stream=httpx.ByteStream(edited), extensions=response.extensions)
+        return _replaced(response, self.capture.finish_body(plan, response, body))
 
     def close(self) -> None:
         self.inner.close()
@@ -206,18 +214,12 @@ class AsyncRecordingTransport(httpx.AsyncBaseTransport):
         response = await self.inner.handle_async_request(upstream_request)
         if response.status_code != 200:
             return response
-        if plan.stream and response.headers.get("content-encoding", "identity") == "identity":
-            editor = StreamEditor(plan)
-            return httpx.Response(response.status_code,
-                                  headers=_response_headers(response, None),
-                                  stream=_AsyncEditedStream(response, editor, self.capture),
-                                  extensions=response.extensions)
+        if _streams_edited(plan, response):
+            stream = _AsyncEditedStream(response, StreamEditor(plan), self.capture)
+            return _replaced(response, stream)
         body = await response.aread()
         await response.aclose()
-        edited = self.capture.finish_body(plan, response, body)
-        return httpx.Response(response.status_code,
-                              headers=_response_headers(response, len(edited)),
-                              stream=httpx.ByteStream(edited), extensions=response.extensions)
+        return _replaced(response, self.capture.finish_body(plan, response, body))
 
     async def aclose(self) -> None:
         await self.inner.aclose()

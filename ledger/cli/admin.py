@@ -23,6 +23,7 @@ from ledger.cli.common import (
     write_private_file,
 )
 from ledger.core import keys as corekeys
+from ledger.db.session import raw_cursor
 
 db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
 keys_app = typer.Typer(help="Ed25519 signing keys: generate locally, register with the ledger.",
@@ -80,7 +81,7 @@ def db_create_login(
     engine = make_engine(settings, pool_size=1)
     others = [r for r in COMPONENT_ROLES.values() if r != group]
     with engine.begin() as conn:
-        cur = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+        cur = raw_cursor(conn)
         cur.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (group,))
         if cur.fetchone() is None:
             console.print(f"[red]role {group} does not exist: run `ledger db upgrade` "

@@ -62,7 +62,8 @@ def worker_command(
     )
 
     from workers.celery_worker import build_worker, serve
-    from workers.replay import NoTrustPolicy, SelfCheckFailed
+    from workers.engine.selfcheck import SelfCheckFailed
+    from workers.replay import NoTrustPolicy
 
     bars = Progress(TextColumn("hashing {task.description}"), BarColumn(), DownloadColumn(),
                     TransferSpeedColumn(), console=console, transient=True)

@@ -16,66 +16,41 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from ledger.db.models import Dispute
-from ledger.replay import disputes as dispute_service
 from ledger.replay import jobs as job_service
 from ledger.replay.broker import Publisher
 from ledger.replay.records import Signer, require_signer
-from ledger.services import audit
+from ledger.services import audit, disputes
 from ledger.services.apikeys import Principal
 from ledger.settings import Settings
-
-
-def actor_of(principal: Principal) -> str:
-    return f"{principal.name} ({principal.role})"
 
 
 def open_dispute(session: Session, engine: Engine, publisher: Publisher | None,
                  signer: Signer | None, settings: Settings, principal: Principal, *,
                  request_id: str, reason: str, priority: str) -> tuple[Dispute, bool]:
-    """As ``POST /v1/disputes``: the dispute, its replay job, the routing event, the audit
-    event; then the job is published. (dispute, created)."""
-    signer = require_signer(signer, "opening a dispute")
-    dispute, created = dispute_service.open_dispute(
-        session, request_id=request_id, reason=reason, priority=priority,
-        actor=actor_of(principal), signer=signer, idempotency_key=None)
-    job = None
-    if created:
-        job = job_service.create_job(
-            session, fingerprint_id=dispute.fingerprint_id, kind="dispute",
-            items=[(dispute.envelope_index, dispute.request_id, dispute.id)], settings=settings,
-            priority=dispute_service.PRIORITY_RANK[priority])
-        dispute.job_id = job.id
-        dispute_service.emit(session, dispute, job.state, "ledger", signer,
-                             {"job_id": str(job.id)}, state=job.state,
-                             state_reason=job.state_reason)
-        audit.record(session, principal, "dispute.open", str(dispute.id),
-                     request_id=request_id)
-    to_publish = [(str(job.id), job.fingerprint_id)] if job is not None and \
-        job.state == "queued" else []
+    """As ``POST /v1/disputes`` (the same service call): the dispute, its replay job, the
+    routing event, the audit event; then the job is published. (dispute, created)."""
+    opened = disputes.open_dispute(
+        session, principal, require_signer(signer, "opening a dispute"), settings,
+        request_id=request_id, reason=reason, priority=priority)
     session.commit()
-    if publisher is not None and to_publish:
-        job_service.publish(engine, publisher, to_publish)
-    return dispute, created
+    if publisher is not None and opened.to_publish:
+        job_service.publish(engine, publisher, opened.to_publish)
+    return opened.dispute, opened.outcome is disputes.OpenOutcome.CREATED
 
 
 def comment(session: Session, signer: Signer | None, principal: Principal, dispute_id: str,
             text: str) -> None:
     """As ``POST /v1/disputes/{id}/comments``."""
-    signer = require_signer(signer, "commenting")
-    dispute_service.comment(session, dispute_id, text=text, actor=actor_of(principal),
-                            signer=signer)
-    audit.record(session, principal, "dispute.comment", dispute_id)
+    disputes.comment(session, principal, require_signer(signer, "commenting"), dispute_id,
+                     text=text)
     session.commit()
 
 
 def resolve(session: Session, signer: Signer | None, principal: Principal, dispute_id: str,
             resolution: str, note: str) -> None:
     """As ``POST /v1/disputes/{id}/resolve``."""
-    signer = require_signer(signer, "resolving")
-    _, changed = dispute_service.resolve(session, dispute_id, resolution=resolution, note=note,
-                                         actor=actor_of(principal), signer=signer)
-    if changed:
-        audit.record(session, principal, "dispute.resolve", dispute_id, resolution=resolution)
+    disputes.resolve(session, principal, require_signer(signer, "resolving"), dispute_id,
+                     resolution=resolution, note=note)
     session.commit()
 
 

@@ -34,6 +34,7 @@ from ledger.db.models import (
 )
 from ledger.errors import BadRequest, NotFound
 from ledger.log import proofs
+from ledger.replay import queries as replay_queries
 from ledger.replay import views
 from ledger.settings import Settings
 
@@ -344,14 +345,7 @@ def dispute_queue(session: Session, state: str | None = None,
     return out
 
 
-def _dispute(session: Session, dispute_id: str) -> Dispute:
-    try:
-        d = session.get(Dispute, uuid.UUID(dispute_id))
-    except ValueError:
-        d = None
-    if d is None:
-        raise NotFound(f"no dispute {dispute_id}")
-    return d
+_dispute = replay_queries.find_dispute
 
 
 def dispute_view(session: Session, dispute_id: str) -> dict[str, Any]:

@@ -41,8 +41,7 @@ from ledger.core import dsse, jsonstrict
 from ledger.core.envelope import STATEMENT_TYPE
 from ledger.core.errors import LedgerError, VerificationError
 from ledger.core.keys import key_id
-from ledger.core.logentry import dsse_digest, log_entry_bytes
-from ledger.core.merkle import leaf_hash, verify_inclusion
+from ledger.core.logentry import verify_record_included
 from ledger.core.note import Checkpoint, NoteVerifier, open_checkpoint, parse_verifier_key
 from ledger.core.registry import RegisteredKey, Registry, RegistryError, open_admin_event
 from ledger.core.statements import BUNDLE_PREDICATE_TYPE
@@ -300,13 +299,12 @@ def _verify(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str, 
         payload_ref = _payload_ref(kind, payload)
         if payload_ref != ref:
             raise BundleError(f"the signed payload names {payload_ref!r}, the record {ref!r}")
-        entry = log_entry_bytes(kind, ref, dsse_digest(env.canonical_bytes()))
         proof = [_b64(h, "inclusion_proof item") for h in rec["inclusion_proof"]] \
             if isinstance(rec["inclusion_proof"], list) else None
         if proof is None:
             raise BundleError("inclusion_proof must be a list")
-        verify_inclusion(leaf_hash(entry), index, header.checkpoint.size, proof,
-                         header.checkpoint.root_hash)
+        verify_record_included(kind, ref, env.canonical_bytes(), index,
+                               header.checkpoint.size, header.checkpoint.root_hash, proof)
         if kind == "admin_event":
             event = open_admin_event(env, key_for)
             return index, kind, event.predicate

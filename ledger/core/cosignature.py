@@ -34,10 +34,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from ledger.core.errors import CheckpointError, LedgerError, MalformedNoteError, SignatureError
 from ledger.core.keys import verify_ed25519
 from ledger.core.note import (
-    MAX_NOTE_SIZE,
     MAX_SIGNATURES,
     SIGNATURE_PREFIX,
     _b64decode_canonical,
+    decode_note,
     parse_checkpoint,
     signature_line_parts,
 )
@@ -142,14 +142,7 @@ def parse_cosignature_line(line: str) -> Cosignature:
 def split_note(note: bytes) -> tuple[str, list[str]]:
     """A signed note's text (ending in its newline) and its signature lines (without
     newlines). Checks the note's shape only; verifies nothing."""
-    if not isinstance(note, bytes | bytearray) or len(note) > MAX_NOTE_SIZE:
-        raise MalformedNoteError(f"a note is bytes of at most {MAX_NOTE_SIZE} bytes")
-    try:
-        decoded = bytes(note).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise MalformedNoteError("a note must be valid UTF-8") from exc
-    if any(ord(c) < 0x20 and c != "\n" for c in decoded):
-        raise MalformedNoteError("a note must not contain control characters")
+    decoded = decode_note(note)
     split = decoded.rfind("\n\n")
     if split < 0 or not decoded.endswith("\n"):
         raise MalformedNoteError("a note is text, a blank line and signature lines")

@@ -30,13 +30,18 @@ from ledger.core.fingerprint import fingerprint_id
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 ENVELOPE_PREDICATE_TYPE = "urn:inference-ledger:envelope:v1"
 
-Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="lowercase hex SHA-256")]
+#: A request ID: characters JSON never escapes (log entries name it verbatim).
+REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:@+=-]+$"
+REQUEST_ID_MAX_LENGTH = 200
+SHA256_HEX_PATTERN = r"^[0-9a-f]{64}$"
+
+Sha256Hex = Annotated[str, Field(pattern=SHA256_HEX_PATTERN, description="lowercase hex SHA-256")]
 RequestId = Annotated[
     str,
     Field(
         min_length=1,
-        max_length=200,
-        pattern=r"^[A-Za-z0-9._:@+=-]+$",
+        max_length=REQUEST_ID_MAX_LENGTH,
+        pattern=REQUEST_ID_PATTERN,
         description="Caller's unique request ID: 1-200 of A-Z a-z 0-9 . _ : @ + = -",
     ),
 ]

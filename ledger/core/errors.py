@@ -2,7 +2,7 @@
 
 Verification never returns a bool a caller could ignore: it returns ``None`` or raises one
 of these. The API maps each to a problem+json response in one place
-(``ledger.api.problems``), using ``code`` as the stable machine-readable reason.
+(:mod:`ledger.problems`), using ``code`` as the stable machine-readable reason.
 """
 
 from __future__ import annotations

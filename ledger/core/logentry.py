@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from typing import Literal
 
 from ledger.core import jsonstrict
 from ledger.core.canonical import canonical_json
-from ledger.core.errors import FormatError
+from ledger.core.errors import FormatError, InclusionProofError
+from ledger.core.merkle import leaf_hash, verify_inclusion
 
 EntryKind = Literal["envelope", "verdict", "dispute_event", "admin_event"]
 KINDS: frozenset[str] = frozenset({"envelope", "verdict", "dispute_event", "admin_event"})
@@ -59,3 +61,20 @@ def parse_log_entry(entry: bytes) -> tuple[str, str, str]:
 
 def dsse_digest(dsse_bytes: bytes) -> str:
     return hashlib.sha256(dsse_bytes).hexdigest()
+
+
+def verify_record_included(kind: str, ref: str, dsse_bytes: bytes, log_index: int,
+                           tree_size: int, root_hash: bytes, proof: Sequence[bytes], *,
+                           served_entry: bytes | None = None) -> bytes:
+    """Check that the record ``kind``/``ref`` with these DSSE bytes is leaf ``log_index``
+    of the tree of ``tree_size`` with ``root_hash``: the entry is rebuilt from the record
+    (never taken from whoever served it), then its inclusion proof is checked (RFC 9162
+    2.1.3.2). ``served_entry``, when given, is the entry a log served for this index; it
+    must be the rebuilt one. Returns the entry bytes or raises :class:`FormatError` /
+    :class:`InclusionProofError`. The bundle verifier and the replay worker both call it.
+    """
+    entry = log_entry_bytes(kind, ref, dsse_digest(dsse_bytes))
+    if served_entry is not None and served_entry != entry:
+        raise InclusionProofError("the log entry does not commit to this record")
+    verify_inclusion(leaf_hash(entry), log_index, tree_size, proof, root_hash)
+    return entry

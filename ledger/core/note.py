@@ -265,6 +265,20 @@ def sign_note(text: str, name: str, private_key: Ed25519PrivateKey) -> bytes:
     return note
 
 
+def decode_note(note: bytes) -> str:
+    """A note's text, checked for shape only: bytes of at most :data:`MAX_NOTE_SIZE`,
+    UTF-8, no control characters but newlines. Raises :class:`MalformedNoteError`."""
+    if not isinstance(note, bytes | bytearray) or len(note) > MAX_NOTE_SIZE:
+        raise MalformedNoteError(f"a note is bytes of at most {MAX_NOTE_SIZE} bytes")
+    try:
+        decoded = bytes(note).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedNoteError("a note must be valid UTF-8") from exc
+    if any(ord(c) < 0x20 and c != "\n" for c in decoded):
+        raise MalformedNoteError("a note must not contain control characters")
+    return decoded
+
+
 def open_note(note: bytes, verifiers: Iterable[NoteVerifier]) -> OpenedNote:
     """Parse a signed note and verify it against the trusted ``verifiers``.
 
@@ -281,14 +295,7 @@ def open_note(note: bytes, verifiers: Iterable[NoteVerifier]) -> OpenedNote:
             raise CheckpointError(f"ambiguous verifier keys for {v.name}+{v.key_id:08x}")
         known[(v.name, v.key_id)] = v
 
-    if not isinstance(note, bytes | bytearray) or len(note) > MAX_NOTE_SIZE:
-        raise MalformedNoteError(f"a note is bytes of at most {MAX_NOTE_SIZE} bytes")
-    try:
-        decoded = bytes(note).decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise MalformedNoteError("a note must be valid UTF-8") from exc
-    if any(ord(c) < 0x20 and c != "\n" for c in decoded):
-        raise MalformedNoteError("a note must not contain control characters")
+    decoded = decode_note(note)
     split = decoded.rfind("\n\n")
     if split < 0:
         raise MalformedNoteError("a note needs a blank line before its signatures")

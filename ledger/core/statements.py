@@ -26,12 +26,13 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ledger.core.envelope import STATEMENT_TYPE
+from ledger.core.states import VerdictOutcome
 
 VERDICT_PREDICATE_TYPE = "urn:inference-ledger:verdict:v1"
 EVENT_PREDICATE_TYPE = "urn:inference-ledger:dispute-event:v1"
 ADMIN_EVENT_PREDICATE_TYPE = "urn:inference-ledger:admin-event:v1"
 BUNDLE_PREDICATE_TYPE = "urn:inference-ledger:bundle:v1"
-OUTCOMES = ("reproduced", "diverged", "unverifiable", "error")
+OUTCOMES = tuple(VerdictOutcome)
 ADMIN_EVENT_KINDS = ("signing_key.registered", "signing_key.revoked", "api_key.created",
                      "api_key.revoked", "api_key.role_changed")
 

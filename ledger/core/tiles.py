@@ -70,8 +70,19 @@ def _suffix(width: int) -> str:
     return "" if width == TILE_WIDTH else f".p/{width}"
 
 
+class _Coordinates:
+    """What a hash tile and an entry bundle share: a width, partial below 256."""
+
+    __slots__ = ()
+    width: int
+
+    @property
+    def is_partial(self) -> bool:
+        return self.width < TILE_WIDTH
+
+
 @dataclass(frozen=True, slots=True, order=True)
-class Tile:
+class Tile(_Coordinates):
     """A hash tile: ``width`` hashes at tree level 8*``level``, starting at 256*``index``."""
 
     level: int
@@ -88,17 +99,13 @@ class Tile:
         _check_coordinates(self.index, self.width)
 
     @property
-    def is_partial(self) -> bool:
-        return self.width < TILE_WIDTH
-
-    @property
     def path(self) -> str:
         """The tlog-tiles path, e.g. ``tile/0/x001/x234/067.p/8``."""
         return f"tile/{self.level}/{encode_tile_index(self.index)}{_suffix(self.width)}"
 
 
 @dataclass(frozen=True, slots=True, order=True)
-class EntryBundle:
+class EntryBundle(_Coordinates):
     """An entry bundle: entries 256*``index`` .. 256*``index`` + ``width`` - 1."""
 
     index: int
@@ -106,10 +113,6 @@ class EntryBundle:
 
     def __post_init__(self) -> None:
         _check_coordinates(self.index, self.width)
-
-    @property
-    def is_partial(self) -> bool:
-        return self.width < TILE_WIDTH
 
     @property
     def path(self) -> str:

@@ -30,6 +30,15 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from ledger.core.states import (
+    DisputeState,
+    JobState,
+    Priority,
+    Resolution,
+    VerdictOutcome,
+    check_in,
+)
+
 NAMING_CONVENTION = {
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -246,8 +255,7 @@ class ReplayJob(Base):
     last_error: Mapped[str | None] = mapped_column(Text)
     __table_args__ = (
         CheckConstraint("kind IN ('dispute', 'reverification', 'gate')", name="kind"),
-        CheckConstraint("state IN ('awaiting_worker', 'queued', 'running', 'done', "
-                        "'poisoned', 'failed')", name="state"),
+        CheckConstraint(check_in("state", JobState), name="state"),
         Index("ix_replay_jobs_state_fingerprint_id", "state", "fingerprint_id"),
     )
 
@@ -302,14 +310,13 @@ class Dispute(Base):
     resolved_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     idempotency_key: Mapped[str | None] = mapped_column(Text, unique=True)
     __table_args__ = (
-        CheckConstraint("priority IN ('low', 'normal', 'high')", name="priority"),
-        CheckConstraint("state IN ('opened', 'queued', 'awaiting_worker', 'replaying', "
-                        "'verdict', 'resolved')", name="state"),
-        CheckConstraint("resolution IS NULL OR resolution IN ('upheld', 'rejected')",
+        CheckConstraint(check_in("priority", Priority), name="priority"),
+        CheckConstraint(check_in("state", DisputeState), name="state"),
+        CheckConstraint("resolution IS NULL OR " + check_in("resolution", Resolution),
                         name="resolution"),
         Index("ix_disputes_state", "state", "opened_at"),
         Index("uq_disputes_open_request", "request_id", unique=True,
-              postgresql_where="state <> 'resolved'"),
+              postgresql_where=f"state <> '{DisputeState.RESOLVED.value}'"),
     )
 
 
@@ -376,8 +383,7 @@ class Verdict(Base):
     created_at: Mapped[datetime] = _now()
     __table_args__ = (
         UniqueConstraint("job_id", "envelope_index"),
-        CheckConstraint("outcome IN ('reproduced', 'diverged', 'unverifiable', 'error')",
-                        name="outcome"),
+        CheckConstraint(check_in("outcome", VerdictOutcome), name="outcome"),
     )
 
 

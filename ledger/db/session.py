@@ -12,11 +12,12 @@ from functools import lru_cache
 from importlib import resources
 from typing import Any
 
+import psycopg
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, make_url, text
+from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from ledger.settings import Settings, get_settings
@@ -82,6 +83,22 @@ def session_scope(engine: Engine) -> Iterator[Session]:
 
 
 # --- migrations ------------------------------------------------------------------------
+
+def raw_connection(db: Session | Connection) -> psycopg.Connection[Any]:
+    """The psycopg connection under a session (or SQLAlchemy connection), in its
+    transaction. Prefer :func:`raw_cursor`; this is for server-side (named) cursors."""
+    conn = db.connection() if isinstance(db, Session) else db
+    driver = conn.connection.driver_connection
+    assert driver is not None, "the database connection is closed"
+    return driver  # type: ignore[no-any-return]
+
+
+def raw_cursor(db: Session | Connection) -> psycopg.Cursor[Any]:
+    """A psycopg cursor inside the session's transaction: for COPY, ``executemany`` and
+    the log's hot paths, where the ORM costs too much. Use it as a context manager
+    (``with raw_cursor(session) as cur:``)."""
+    return raw_connection(db).cursor()
+
 
 def alembic_config(url: str) -> Config:
     script_location = str(resources.files("ledger.migrations"))

@@ -28,6 +28,7 @@ from ledger.core.note import format_verifier_key
 from ledger.core.statements import bundle_statement
 from ledger.core.tiles import Tile, inclusion_proof_from_tiles
 from ledger.db.models import SigningKey
+from ledger.db.session import raw_connection
 from ledger.errors import BadRequest
 from ledger.log.proofs import NotYetIntegrated
 from ledger.log.signer import log_verifiers
@@ -93,83 +94,81 @@ def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = N
         raise BadRequest("recorded_after needs a UTC offset")
     with Session(engine) as session:
         session.execute(text("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY"))
-        conn = session.connection().connection.driver_connection
-        assert conn is not None
-        with conn.cursor():
-            cp = export_checkpoint(session, len(get_settings().witnesses))
-            if cp is None:
-                raise NotYetIntegrated("the log has no checkpoint yet; nothing to export")
-            origin = cp.note.decode().split("\n", 1)[0]
-            where = ["log_index < %s"]
-            params: list[Any] = [cp.tree_size]
-            if selection.recorded_after:
-                where.append("recorded_at >= %s")
-                params.append(selection.recorded_after)
-            if selection.recorded_before:
-                where.append("recorded_at < %s")
-                params.append(selection.recorded_before)
-            if selection.model_sha256:
-                where.append("model_sha256 = %s")
-                params.append(selection.model_sha256)
-            if selection.fingerprint_id:
-                where.append("fingerprint_id = %s")
-                params.append(selection.fingerprint_id)
-            if selection.request_ids:
-                where.append("request_id = ANY(%s)")
-                params.append(list(selection.request_ids))
-            limit = f" LIMIT {int(selection.limit)}" if selection.limit else ""
-            sel = (f"SELECT log_index FROM envelopes WHERE {' AND '.join(where)} "  # noqa: S608
-                   f"ORDER BY log_index{limit}")
-            # The selected envelopes, then the verdicts on them and the events of disputes
-            # on them: the whole review trail travels with the records it reviews.
-            # Every piece of these queries is ours (column lists, the bound parameters'
-            # placeholders); values only ever travel as parameters.
-            parts = [
-                ("admin_event", "SELECT a.log_index, a.event_id, a.dsse FROM admin_events a "
-                                "WHERE a.log_index < %s"),
-                ("envelope", f"SELECT v.log_index, v.request_id, v.dsse FROM envelopes v "  # noqa: S608
-                             f"JOIN ({sel}) s USING (log_index)"),
-                ("verdict", f"SELECT r.log_index, r.verdict_id, r.dsse FROM verdicts r "  # noqa: S608
-                            f"JOIN ({sel}) s ON s.log_index = r.envelope_index "
-                            f"WHERE r.log_index < %s"),
-                ("dispute_event", f"SELECT e.log_index, e.event_id, e.dsse "  # noqa: S608
-                                  f"FROM dispute_events e "
-                                  f"JOIN disputes d ON d.id = e.dispute_id "
-                                  f"JOIN ({sel}) s ON s.log_index = d.envelope_index "
-                                  f"WHERE e.log_index < %s"),
-            ]
-            digest = hashlib.sha256()
-            count = 0
-            with tempfile.TemporaryFile() as spool:
-                reader = CachingTileReader(PgTileReader(conn.cursor()))
-                for n, (kind, query) in enumerate(parts):
-                    args = {"admin_event": [cp.tree_size], "envelope": params}.get(
-                        kind, [*params, cp.tree_size])
-                    with conn.cursor(name=f"export_{n}") as rows:
-                        rows.itersize = 2000
-                        rows.execute(f"{query} ORDER BY 1", args)
-                        for log_index, ref, dsse_bytes in rows:
-                            proof = inclusion_proof_from_tiles(log_index, cp.tree_size, reader)
-                            line = (b'{"log_index":%d,"kind":"%s","ref":%s,"dsse":%s,'
-                                    b'"inclusion_proof":%s}\n' % (
-                                        log_index, kind.encode(), json.dumps(ref).encode(),
-                                        bytes(dsse_bytes),
-                                        json.dumps([_b64(h) for h in proof]).encode()))
-                            digest.update(line)
-                            spool.write(line)
-                            count += 1
-                        if len(reader.cache) > 100_000:
-                            reader.cache.clear()
-                manifest = {
-                    "format": FORMAT, "origin": origin, "checkpoint": cp.note.decode(),
-                    "log_keys": [format_verifier_key(v.name, v.public_key)
-                                 for v in log_verifiers(session, origin)],
-                    "service_keys": [_b64(public_raw(signer.key))],
-                    "keys": key_records(session), "selection": selection.to_json(),
-                    "records": count, "created_at": datetime.now(UTC).isoformat(),
-                }
-                statement = bundle_statement(records_sha256=digest.hexdigest(),
-                                             predicate=manifest)
-                yield header_bytes(count, sign_statement(statement, signer.key)) + b"\n"
-                spool.seek(0)
-                yield from spool
+        conn = raw_connection(session)
+        cp = export_checkpoint(session, len(get_settings().witnesses))
+        if cp is None:
+            raise NotYetIntegrated("the log has no checkpoint yet; nothing to export")
+        origin = cp.note.decode().split("\n", 1)[0]
+        where = ["log_index < %s"]
+        params: list[Any] = [cp.tree_size]
+        if selection.recorded_after:
+            where.append("recorded_at >= %s")
+            params.append(selection.recorded_after)
+        if selection.recorded_before:
+            where.append("recorded_at < %s")
+            params.append(selection.recorded_before)
+        if selection.model_sha256:
+            where.append("model_sha256 = %s")
+            params.append(selection.model_sha256)
+        if selection.fingerprint_id:
+            where.append("fingerprint_id = %s")
+            params.append(selection.fingerprint_id)
+        if selection.request_ids:
+            where.append("request_id = ANY(%s)")
+            params.append(list(selection.request_ids))
+        limit = f" LIMIT {int(selection.limit)}" if selection.limit else ""
+        sel = (f"SELECT log_index FROM envelopes WHERE {' AND '.join(where)} "  # noqa: S608
+               f"ORDER BY log_index{limit}")
+        # The selected envelopes, then the verdicts on them and the events of disputes
+        # on them: the whole review trail travels with the records it reviews.
+        # Every piece of these queries is ours (column lists, the bound parameters'
+        # placeholders); values only ever travel as parameters.
+        parts = [
+            ("admin_event", "SELECT a.log_index, a.event_id, a.dsse FROM admin_events a "
+                            "WHERE a.log_index < %s"),
+            ("envelope", f"SELECT v.log_index, v.request_id, v.dsse FROM envelopes v "  # noqa: S608
+                         f"JOIN ({sel}) s USING (log_index)"),
+            ("verdict", f"SELECT r.log_index, r.verdict_id, r.dsse FROM verdicts r "  # noqa: S608
+                        f"JOIN ({sel}) s ON s.log_index = r.envelope_index "
+                        f"WHERE r.log_index < %s"),
+            ("dispute_event", f"SELECT e.log_index, e.event_id, e.dsse "  # noqa: S608
+                              f"FROM dispute_events e "
+                              f"JOIN disputes d ON d.id = e.dispute_id "
+                              f"JOIN ({sel}) s ON s.log_index = d.envelope_index "
+                              f"WHERE e.log_index < %s"),
+        ]
+        digest = hashlib.sha256()
+        count = 0
+        with tempfile.TemporaryFile() as spool:
+            reader = CachingTileReader(PgTileReader(conn.cursor()))
+            for n, (kind, query) in enumerate(parts):
+                args = {"admin_event": [cp.tree_size], "envelope": params}.get(
+                    kind, [*params, cp.tree_size])
+                with conn.cursor(name=f"export_{n}") as rows:
+                    rows.itersize = 2000
+                    rows.execute(f"{query} ORDER BY 1", args)
+                    for log_index, ref, dsse_bytes in rows:
+                        proof = inclusion_proof_from_tiles(log_index, cp.tree_size, reader)
+                        line = (b'{"log_index":%d,"kind":"%s","ref":%s,"dsse":%s,'
+                                b'"inclusion_proof":%s}\n' % (
+                                    log_index, kind.encode(), json.dumps(ref).encode(),
+                                    bytes(dsse_bytes),
+                                    json.dumps([_b64(h) for h in proof]).encode()))
+                        digest.update(line)
+                        spool.write(line)
+                        count += 1
+                    if len(reader.cache) > 100_000:
+                        reader.cache.clear()
+            manifest = {
+                "format": FORMAT, "origin": origin, "checkpoint": cp.note.decode(),
+                "log_keys": [format_verifier_key(v.name, v.public_key)
+                             for v in log_verifiers(session, origin)],
+                "service_keys": [_b64(public_raw(signer.key))],
+                "keys": key_records(session), "selection": selection.to_json(),
+                "records": count, "created_at": datetime.now(UTC).isoformat(),
+            }
+            statement = bundle_statement(records_sha256=digest.hexdigest(),
+                                         predicate=manifest)
+            yield header_bytes(count, sign_statement(statement, signer.key)) + b"\n"
+            spool.seek(0)
+            yield from spool

@@ -24,7 +24,8 @@ from sqlalchemy import Engine
 from ledger.core.errors import LedgerError
 from ledger.core.merkle import leaf_hash
 from ledger.core.tiles import integrate
-from ledger.db.session import session_scope
+from ledger.db.session import raw_cursor, session_scope
+from ledger.log import store
 from ledger.log.signer import LogSigner
 from ledger.log.sink import CheckpointSink
 from ledger.log.store import PgTileReader, write_tiles
@@ -55,44 +56,30 @@ def integrate_once(engine: Engine, signer: LogSigner, *, max_entries: int = 20_0
                    sink: CheckpointSink | None = None) -> Published | None:
     """Integrate up to ``max_entries`` pending entries; None when there is nothing to do or
     another process holds the tree."""
-    with session_scope(engine) as session:
-        conn = session.connection().connection.driver_connection
-        assert conn is not None
-        with conn.cursor() as cur:
-            cur.execute("SELECT size, root_hash FROM log_tree WHERE id = 1 "
-                        "FOR UPDATE SKIP LOCKED")
-            row = cur.fetchone()
-            if row is None:
-                return None  # another integrator is at work
-            tree_size: int = row[0]
-            cur.execute("SELECT size FROM log_state WHERE id = 1")
-            seq = cur.fetchone()
-            assert seq is not None
-            pending = seq[0] - tree_size
-            if pending <= 0:
-                return None
-            stop = tree_size + min(pending, max_entries)
-            cur.execute("SELECT idx, entry, leaf_hash FROM log_entries "
-                        "WHERE idx >= %s AND idx < %s ORDER BY idx", (tree_size, stop))
-            rows = cur.fetchall()
-            hashes: list[bytes] = []
-            for expected, (idx, entry, stored_hash) in enumerate(rows, start=tree_size):
-                if idx != expected:
-                    raise IntegrityError_(f"log entry {expected} is missing")
-                h = leaf_hash(bytes(entry))
-                if h != bytes(stored_hash):
-                    raise IntegrityError_(f"log entry {idx}: stored leaf hash does not match "
-                                          "its entry bytes")
-                hashes.append(h)
-            if len(hashes) != stop - tree_size:
-                raise IntegrityError_(f"log entries {tree_size}..{stop - 1} are not all stored")
-            result = integrate(tree_size, hashes, PgTileReader(cur, cache=None))
-            write_tiles(cur, result.tiles)
-            note = signer.sign(result.size, result.root)
-            cur.execute("INSERT INTO checkpoints (tree_size, root_hash, note) "
-                        "VALUES (%s, %s, %s)", (result.size, result.root, note))
-            cur.execute("UPDATE log_tree SET size = %s, root_hash = %s, updated_at = now() "
-                        "WHERE id = 1", (result.size, result.root))
+    with session_scope(engine) as session, raw_cursor(session) as cur:
+        tree_size = store.lock_tree(cur)
+        if tree_size is None:
+            return None  # another integrator is at work
+        pending = store.sequenced_size(cur) - tree_size
+        if pending <= 0:
+            return None
+        stop = tree_size + min(pending, max_entries)
+        rows = store.entries_with_leaf_hashes(cur, tree_size, stop)
+        hashes: list[bytes] = []
+        for expected, (idx, entry, stored_hash) in enumerate(rows, start=tree_size):
+            if idx != expected:
+                raise IntegrityError_(f"log entry {expected} is missing")
+            h = leaf_hash(entry)
+            if h != stored_hash:
+                raise IntegrityError_(f"log entry {idx}: stored leaf hash does not match "
+                                      "its entry bytes")
+            hashes.append(h)
+        if len(hashes) != stop - tree_size:
+            raise IntegrityError_(f"log entries {tree_size}..{stop - 1} are not all stored")
+        result = integrate(tree_size, hashes, PgTileReader(cur, cache=None))
+        write_tiles(cur, result.tiles)
+        note = signer.sign(result.size, result.root)
+        store.publish_checkpoint(cur, result.size, result.root, note)
     published = Published(result.size, result.root, note, len(hashes))
     if sink is not None:
         sink.publish(published.tree_size, published.note)

@@ -11,18 +11,19 @@ from sqlalchemy.orm import Session
 from ledger.core.errors import TreeRangeError
 from ledger.core.merkle import leaf_hash as compute_leaf_hash
 from ledger.core.tiles import consistency_proof_from_tiles, inclusion_proof_from_tiles
+from ledger.db.session import raw_cursor
 from ledger.errors import NotFound
-from ledger.log.store import PgTileReader, StoredCheckpoint, checkpoint_at, latest_checkpoint
+from ledger.log.store import (
+    PgTileReader,
+    StoredCheckpoint,
+    checkpoint_at,
+    entry_at,
+    latest_checkpoint,
+)
 
 
 class NotYetIntegrated(NotFound):
     code = "not_yet_integrated"
-
-
-def _cursor(session: Session) -> Any:
-    conn = session.connection().connection.driver_connection
-    assert conn is not None
-    return conn.cursor()
 
 
 def _b64(data: bytes) -> str:
@@ -62,23 +63,21 @@ def checkpoint_for(cur: Any, tree_size: int | None) -> StoredCheckpoint:
 
 
 def inclusion(session: Session, log_index: int, tree_size: int | None = None) -> InclusionReceipt:
-    with _cursor(session) as cur:
+    with raw_cursor(session) as cur:
         cp = checkpoint_for(cur, tree_size)
         if log_index >= cp.tree_size:
             raise NotYetIntegrated(
                 f"log index {log_index} is not in the latest checkpoint (size {cp.tree_size}) "
                 "yet; retry shortly")
-        cur.execute("SELECT entry FROM log_entries WHERE idx = %s", (log_index,))
-        row = cur.fetchone()
-        if row is None:
+        entry = entry_at(cur, log_index)
+        if entry is None:
             raise NotFound(f"no log entry {log_index}")
-        entry = bytes(row[0])
         proof = inclusion_proof_from_tiles(log_index, cp.tree_size, PgTileReader(cur))
     return InclusionReceipt(log_index, cp.tree_size, entry, compute_leaf_hash(entry), proof, cp)
 
 
 def consistency(session: Session, old_size: int, new_size: int | None) -> dict[str, Any]:
-    with _cursor(session) as cur:
+    with raw_cursor(session) as cur:
         new_cp = checkpoint_for(cur, new_size)
         if old_size > new_cp.tree_size:
             raise TreeRangeError(f"from={old_size} is larger than to={new_cp.tree_size}")

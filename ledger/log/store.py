@@ -1,5 +1,8 @@
-"""Postgres access for the log: tiles, entries, checkpoints (psycopg cursors, no ORM on
-the hot paths)."""
+"""Postgres access for the log: every SQL statement over the log tables (``log_state``,
+``log_entries``, ``log_tree``, ``tiles``, ``checkpoints``) is here, over psycopg cursors
+(:func:`ledger.db.session.raw_cursor`; no ORM on the hot paths). The sequencer, the
+integrator, the proofs and the tlog-tiles routes call these; ``ledger.log.audit`` still
+reads the tables itself (its streaming pass is being tuned separately)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from ledger.core.errors import TileNotFoundError
@@ -116,6 +120,12 @@ def checkpoint_at(cursor: Any, size: int) -> StoredCheckpoint | None:
     return StoredCheckpoint(row[0], bytes(row[1]), bytes(row[2])) if row else None
 
 
+def checkpoint_times(cursor: Any) -> list[tuple[int, datetime]]:
+    """(tree size, when it was stored) of every checkpoint, in size order."""
+    cursor.execute("SELECT tree_size, created_at FROM checkpoints ORDER BY tree_size")
+    return [(int(r[0]), r[1]) for r in cursor.fetchall()]
+
+
 def entries(cursor: Any, start: int, stop: int) -> list[bytes]:
     cursor.execute("SELECT idx, entry FROM log_entries WHERE idx >= %s AND idx < %s "
                    "ORDER BY idx", (start, stop))
@@ -123,3 +133,63 @@ def entries(cursor: Any, start: int, stop: int) -> list[bytes]:
     if len(rows) != stop - start or (rows and (rows[0][0] != start or rows[-1][0] != stop - 1)):
         raise TileNotFoundError(f"entries {start}..{stop - 1} are not all stored")
     return [bytes(r[1]) for r in rows]
+
+
+def integrated_size(cursor: Any) -> int:
+    """How many entries the Merkle tree holds (``log_tree``)."""
+    cursor.execute("SELECT size FROM log_tree WHERE id = 1")
+    row = cursor.fetchone()
+    return int(row[0]) if row else 0
+
+
+def sequenced_size(cursor: Any, *, lock: bool = False) -> int:
+    """How many entries were sequenced (``log_state``); ``lock`` holds the row for this
+    transaction, which is the sequencer's lock."""
+    cursor.execute("SELECT size FROM log_state WHERE id = 1 FOR UPDATE" if lock
+                   else "SELECT size FROM log_state WHERE id = 1")
+    row = cursor.fetchone()
+    assert row is not None, "log_state row missing: run `ledger db upgrade`"
+    return int(row[0])
+
+
+def append_entries(cursor: Any, start: int,
+                   rows: Sequence[tuple[str, str, bytes, bytes]]) -> None:
+    """Write (kind, ref, entry, leaf hash) rows from index ``start`` and move
+    ``log_state`` past them. The caller holds the sequencer lock."""
+    with cursor.copy("COPY log_entries (idx, kind, ref, entry, leaf_hash) "
+                     "FROM STDIN (FORMAT BINARY)") as copy:
+        copy.set_types(["int8", "text", "text", "bytea", "bytea"])
+        for offset, (kind, ref, entry, leaf) in enumerate(rows):
+            copy.write_row((start + offset, kind, ref, entry, leaf))
+    cursor.execute("UPDATE log_state SET size = %s WHERE id = 1", (start + len(rows),))
+
+
+def entry_at(cursor: Any, index: int) -> bytes | None:
+    cursor.execute("SELECT entry FROM log_entries WHERE idx = %s", (index,))
+    row = cursor.fetchone()
+    return bytes(row[0]) if row else None
+
+
+def entries_with_leaf_hashes(cursor: Any, start: int, stop: int
+                             ) -> list[tuple[int, bytes, bytes]]:
+    """(index, entry, stored leaf hash) for ``start <= index < stop``, in order (gaps are
+    the caller's to find)."""
+    cursor.execute("SELECT idx, entry, leaf_hash FROM log_entries "
+                   "WHERE idx >= %s AND idx < %s ORDER BY idx", (start, stop))
+    return [(int(i), bytes(e), bytes(h)) for i, e, h in cursor.fetchall()]
+
+
+def lock_tree(cursor: Any) -> int | None:
+    """Take the ``log_tree`` row for this transaction; its size, or None when another
+    integrator holds it (``SKIP LOCKED``: integrators take turns, never wait)."""
+    cursor.execute("SELECT size, root_hash FROM log_tree WHERE id = 1 FOR UPDATE SKIP LOCKED")
+    row = cursor.fetchone()
+    return int(row[0]) if row else None
+
+
+def publish_checkpoint(cursor: Any, size: int, root_hash: bytes, note: bytes) -> None:
+    """Store a signed checkpoint and move ``log_tree`` to it (under :func:`lock_tree`)."""
+    cursor.execute("INSERT INTO checkpoints (tree_size, root_hash, note) VALUES (%s, %s, %s)",
+                   (size, root_hash, note))
+    cursor.execute("UPDATE log_tree SET size = %s, root_hash = %s, updated_at = now() "
+                   "WHERE id = 1", (size, root_hash))

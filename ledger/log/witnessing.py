@@ -42,9 +42,15 @@ from ledger.core.cosignature import (
 from ledger.core.errors import LedgerError
 from ledger.core.tiles import consistency_proof_from_tiles
 from ledger.core.trust import TrustPolicy, WitnessKey, parse_witness_key
-from ledger.db.session import session_scope
+from ledger.db.session import raw_cursor, session_scope
 from ledger.errors import NotFound
-from ledger.log.store import PgTileReader, StoredCheckpoint, checkpoint_at, latest_checkpoint
+from ledger.log.store import (
+    PgTileReader,
+    StoredCheckpoint,
+    checkpoint_at,
+    checkpoint_times,
+    latest_checkpoint,
+)
 from ledger.settings import Settings, get_settings
 from ledger.witness.protocol import (
     SIZE_CONTENT_TYPE,
@@ -94,12 +100,6 @@ def witness_endpoints(settings: Settings) -> list[WitnessEndpoint]:
     return endpoints
 
 
-def _cursor(session: Session) -> Any:
-    conn = session.connection().connection.driver_connection
-    assert conn is not None
-    return conn.cursor()
-
-
 def _text(note: bytes) -> str:
     return split_note(note)[0]
 
@@ -141,7 +141,7 @@ class Submitter:
 
     # --- one round ---------------------------------------------------------------------
     def _register(self) -> None:
-        with session_scope(self.engine) as session, _cursor(session) as cur:
+        with session_scope(self.engine) as session, raw_cursor(session) as cur:
             cur.execute("INSERT INTO witness_status (witness_name, url) VALUES (%s, %s) "
                         "ON CONFLICT (witness_name) DO NOTHING",
                         (self.endpoint.name, self.endpoint.url))
@@ -151,7 +151,7 @@ class Submitter:
         if not self._registered:
             self._register()
         name = self.endpoint.name
-        with session_scope(self.engine) as session, _cursor(session) as cur:
+        with session_scope(self.engine) as session, raw_cursor(session) as cur:
             cur.execute("SELECT last_size, url FROM witness_status WHERE witness_name = %s "
                         "FOR UPDATE SKIP LOCKED", (name,))
             row = cur.fetchone()
@@ -310,7 +310,7 @@ class WitnessLoop:
 def stored_cosignature_lines(session: Session, tree_size: int) -> list[str]:
     """The stored cosignature lines of one checkpoint that have the shape of one (a row
     that does not could not be served inside a note)."""
-    with _cursor(session) as cur:
+    with raw_cursor(session) as cur:
         cur.execute("SELECT signature FROM checkpoint_cosignatures WHERE tree_size = %s "
                     "ORDER BY witness_name", (tree_size,))
         lines = [r[0] for r in cur.fetchall()]
@@ -328,7 +328,7 @@ def stored_cosignature_lines(session: Session, tree_size: int) -> list[str]:
 def cosigned_note(session: Session, tree_size: int) -> bytes:
     """The checkpoint note of ``tree_size`` with its stored cosignature lines appended:
     still one signed note (readers that know only the log key ignore the extra lines)."""
-    with _cursor(session) as cur:
+    with raw_cursor(session) as cur:
         cp = checkpoint_at(cur, tree_size)
     if cp is None:
         raise NotFound(f"no checkpoint of tree size {tree_size}", code="no_such_checkpoint")
@@ -339,7 +339,7 @@ def export_checkpoint(session: Session, witnesses: int) -> StoredCheckpoint | No
     """The checkpoint an export should carry: the newest one cosigned by ``witnesses``
     distinct witnesses (every configured one), else the newest checkpoint; its note with
     the stored cosignature lines appended."""
-    with _cursor(session) as cur:
+    with raw_cursor(session) as cur:
         cp = None
         if witnesses > 0:
             cur.execute("SELECT tree_size FROM checkpoint_cosignatures GROUP BY tree_size "
@@ -367,7 +367,7 @@ class WitnessView:
 
 
 def witness_views(session: Session) -> list[WitnessView]:
-    with _cursor(session) as cur:
+    with raw_cursor(session) as cur:
         cur.execute("SELECT s.witness_name, s.url, s.last_size, s.last_ok_at, s.last_error, "
                     "s.last_attempt_at, (SELECT max(c.tree_size) FROM checkpoint_cosignatures c"
                     " WHERE c.witness_name = s.witness_name) FROM witness_status s "
@@ -394,13 +394,12 @@ def audit_cosignatures(session: Session, policy: TrustPolicy, *,
     trusted = {w.name: w for w in policy.witnesses}
     problems: list[tuple[int | None, str]] = []
     witnessed: dict[int, set[str]] = {}
-    with _cursor(session) as cur:
+    with raw_cursor(session) as cur:
         cur.execute("SELECT c.tree_size, c.witness_name, c.key_id, c.timestamp, c.signature, "
                     "k.note FROM checkpoint_cosignatures c LEFT JOIN checkpoints k "
                     "ON k.tree_size = c.tree_size ORDER BY c.tree_size, c.witness_name")
         rows = cur.fetchall()
-        cur.execute("SELECT tree_size, created_at FROM checkpoints ORDER BY tree_size")
-        checkpoints: list[tuple[int, datetime]] = [(r[0], r[1]) for r in cur.fetchall()]
+        checkpoints = checkpoint_times(cur)
     for size, name, key_id, timestamp, line, note in rows:
         who = f"the cosignature by {name} of checkpoint {size}"
         if note is None:

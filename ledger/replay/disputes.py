@@ -19,6 +19,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ledger.core.statements import event_statement
+from ledger.core.states import DisputeState
 from ledger.db.models import Dispute, DisputeEvent, Envelope
 from ledger.errors import Conflict, NotFound
 from ledger.replay.records import Signer, append_signed
@@ -74,12 +75,12 @@ def open_dispute(session: Session, *, request_id: str, reason: str, priority: st
     if env is None:
         raise NotFound(f"no envelope with request_id {request_id!r}")
     open_one = session.scalar(select(Dispute).where(Dispute.request_id == request_id,
-                                                    Dispute.state != "resolved"))
+                                                    Dispute.state != DisputeState.RESOLVED))
     if open_one is not None:
         return open_one, False
     dispute = Dispute(id=uuid.uuid4(), request_id=request_id, envelope_index=env.log_index,
                       fingerprint_id=env.fingerprint_id, reason=reason, priority=priority,
-                      state="opened", opened_by=actor, idempotency_key=idempotency_key)
+                      state=DisputeState.OPENED, opened_by=actor, idempotency_key=idempotency_key)
     try:
         with session.begin_nested():
             session.add(dispute)
@@ -87,7 +88,7 @@ def open_dispute(session: Session, *, request_id: str, reason: str, priority: st
     except IntegrityError:  # a concurrent open of the same record won the race
         session.expire_all()
         winner = session.scalar(select(Dispute).where(Dispute.request_id == request_id,
-                                                      Dispute.state != "resolved"))
+                                                      Dispute.state != DisputeState.RESOLVED))
         if winner is None:
             raise
         return winner, False
@@ -116,7 +117,7 @@ def resolve(session: Session, dispute_id: str, *, resolution: str, note: str, ac
             signer: Signer) -> tuple[Dispute, bool]:
     """Resolve (upheld or rejected); resolving again the same way is a no-op."""
     dispute = lock(session, dispute_id)
-    if dispute.state == "resolved":
+    if dispute.state == DisputeState.RESOLVED:
         if dispute.resolution == resolution:
             return dispute, False
         raise Conflict(f"dispute is already resolved as {dispute.resolution}",
@@ -128,5 +129,5 @@ def resolve(session: Session, dispute_id: str, *, resolution: str, note: str, ac
     dispute.resolution, dispute.resolution_note = resolution, note
     dispute.resolved_by, dispute.resolved_at = actor, now
     emit(session, dispute, "resolved", actor, signer,
-         {"resolution": resolution, "note": note}, state="resolved")
+         {"resolution": resolution, "note": note}, state=DisputeState.RESOLVED)
     return dispute, True

@@ -21,6 +21,7 @@ from typing import Any
 from sqlalchemy import Engine, select, update
 from sqlalchemy.orm import Session
 
+from ledger.core.states import DISPUTE_DECIDED, JOB_FINISHED, JobState
 from ledger.db.models import Dispute, JobAttempt, ReplayJob, ReplayJobItem, Worker
 from ledger.db.session import session_scope
 from ledger.replay import disputes
@@ -83,9 +84,10 @@ def create_job(session: Session, *, fingerprint_id: str, kind: str,
                run_id: uuid.UUID | None = None) -> ReplayJob:
     """A job over ``items`` (envelope log index, request_id, dispute id), routed now."""
     live = live_fingerprints(session, settings)
-    state = "queued" if fingerprint_id in live else "awaiting_worker"
+    state = JobState.QUEUED if fingerprint_id in live else JobState.AWAITING_WORKER
     job = ReplayJob(id=uuid.uuid4(), fingerprint_id=fingerprint_id, kind=kind, state=state,
-                    state_reason=None if state == "queued" else _reason(session, fingerprint_id),
+                    state_reason=None if state == JobState.QUEUED
+                    else _reason(session, fingerprint_id),
                     priority=priority, max_attempts=settings.replay_max_attempts,
                     tolerance=tolerance, run_id=run_id)
     session.add(job)
@@ -112,7 +114,7 @@ def _mirror(session: Session, job: ReplayJob, state: str, signer: Signer | None,
     if signer is None:
         return
     for d in job_disputes(session, job.id):
-        if d.state in ("verdict", "resolved") or (d.state == state and state != "queued"):
+        if d.state in DISPUTE_DECIDED or (d.state == state and state != JobState.QUEUED):
             continue
         disputes.emit(session, d, state, actor, signer, {"job_id": str(job.id), **(body or {})},
                       state=state, state_reason=reason)
@@ -135,14 +137,14 @@ def sweep(engine: Engine, publisher: Publisher | None, settings: Settings,
     with session_scope(engine) as session:
         live = live_fingerprints(session, settings)
         jobs = list(session.scalars(
-            select(ReplayJob).where(ReplayJob.state.in_(("queued", "awaiting_worker",
-                                                         "running")))
+            select(ReplayJob).where(ReplayJob.state.in_((JobState.QUEUED, JobState.AWAITING_WORKER,
+                                                         JobState.RUNNING)))
             .order_by(ReplayJob.priority.desc(), ReplayJob.created_at)
             .with_for_update(skip_locked=True).limit(500)))
         dead_cutoff = now - timedelta(seconds=settings.worker_dead_after_s)
         for job in jobs:
             fp_live = job.fingerprint_id in live
-            if job.state == "running":
+            if job.state == JobState.RUNNING:
                 worker = session.get(Worker, job.worker_id) if job.worker_id else None
                 if worker is not None and worker.last_heartbeat >= dead_cutoff \
                         and worker.stopped_at is None:
@@ -151,20 +153,20 @@ def sweep(engine: Engine, publisher: Publisher | None, settings: Settings,
                     JobAttempt.job_id == job.id, JobAttempt.finished_at.is_(None)).values(
                     finished_at=now, outcome="worker_lost",
                     detail=f"worker {job.worker_id} stopped heartbeating"))
-                job.state, job.worker_id, job.published_at = "queued", None, None
+                job.state, job.worker_id, job.published_at = JobState.QUEUED, None, None
                 job.state_reason = "its worker was lost; re-queued"
                 report.recovered.append(str(job.id))
-                _mirror(session, job, "queued", signer, actor, job.state_reason,
+                _mirror(session, job, JobState.QUEUED, signer, actor, job.state_reason,
                         {"worker_lost": True})
-            if job.state == "awaiting_worker" and fp_live:
-                job.state, job.state_reason, job.published_at = "queued", None, None
-                _mirror(session, job, "queued", signer, actor, None)
-            elif job.state == "queued" and not fp_live:
-                job.state = "awaiting_worker"
+            if job.state == JobState.AWAITING_WORKER and fp_live:
+                job.state, job.state_reason, job.published_at = JobState.QUEUED, None, None
+                _mirror(session, job, JobState.QUEUED, signer, actor, None)
+            elif job.state == JobState.QUEUED and not fp_live:
+                job.state = JobState.AWAITING_WORKER
                 job.state_reason = _reason(session, job.fingerprint_id)
                 report.awaiting.append(str(job.id))
-                _mirror(session, job, "awaiting_worker", signer, actor, job.state_reason)
-            if job.state == "queued" and (
+                _mirror(session, job, JobState.AWAITING_WORKER, signer, actor, job.state_reason)
+            if job.state == JobState.QUEUED and (
                     job.published_at is None
                     or job.published_at < now - timedelta(seconds=settings.republish_after_s)):
                 to_publish.append((str(job.id), job.fingerprint_id))
@@ -189,7 +191,7 @@ def publish(engine: Engine, publisher: Publisher,
             continue
         with session_scope(engine) as session:
             session.execute(update(ReplayJob).where(
-                ReplayJob.id == uuid.UUID(job_id), ReplayJob.state == "queued").values(
+                ReplayJob.id == uuid.UUID(job_id), ReplayJob.state == JobState.QUEUED).values(
                 published_at=datetime.now(UTC)))
         published.append(job_id)
     return published
@@ -220,19 +222,19 @@ def claim(session: Session, job_id: str, *, worker_id: str, fingerprint_id: str,
                                outcome="refused",
                                detail=f"job is for {job.fingerprint_id}, worker is "
                                       f"{fingerprint_id}: not replayed"))
-        if job.state in ("queued", "awaiting_worker"):
+        if job.state in (JobState.QUEUED, JobState.AWAITING_WORKER):
             job.published_at = None  # let the sweeper re-publish it to its own queue
         session.flush()
         return job, Claim("refuse", f"fingerprint mismatch: job {job.fingerprint_id}, "
                                     f"worker {fingerprint_id}")
-    if job.state in ("done", "poisoned", "failed"):
+    if job.state in JOB_FINISHED:
         return job, Claim("skip", f"job already {job.state} (duplicate delivery)")
-    if job.state == "running" and job.worker_id and job.worker_id != worker_id:
+    if job.state == JobState.RUNNING and job.worker_id and job.worker_id != worker_id:
         cutoff = datetime.now(UTC) - timedelta(seconds=settings.worker_dead_after_s)
         other = session.get(Worker, job.worker_id)
         if other is not None and other.last_heartbeat >= cutoff and other.stopped_at is None:
             return job, Claim("skip", f"worker {job.worker_id} is running it")
-    if job.state == "running":  # its previous worker died mid-replay
+    if job.state == JobState.RUNNING:  # its previous worker died mid-replay
         session.execute(update(JobAttempt).where(
             JobAttempt.job_id == job.id, JobAttempt.finished_at.is_(None)).values(
             finished_at=datetime.now(UTC), outcome="worker_lost",
@@ -241,7 +243,7 @@ def claim(session: Session, job_id: str, *, worker_id: str, fingerprint_id: str,
         return job, Claim("poison", f"{job.attempts} deliveries did not finish "
                                     f"(max {job.max_attempts}): poisoned", job.attempts)
     job.attempts += 1
-    job.state, job.worker_id, job.started_at = "running", worker_id, datetime.now(UTC)
+    job.state, job.worker_id, job.started_at = JobState.RUNNING, worker_id, datetime.now(UTC)
     job.state_reason = None
     session.add(JobAttempt(job_id=job.id, attempt=job.attempts, worker_id=worker_id,
                            fingerprint_id=fingerprint_id))

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from ledger.core.keys import key_id, load_private_pem, public_raw
 from ledger.db.models import SigningKey
+from ledger.db.session import raw_cursor
 from ledger.errors import Unavailable
 from ledger.producer import sign_statement
 from ledger.services import sequencer
@@ -67,8 +68,6 @@ def append_signed(session: Session, kind: str, ref: str, statement: Mapping[str,
     its record row (with the returned log index) in the same transaction."""
     dsse_bytes = sign_statement(statement, signer.key).canonical_bytes()
     digest = hashlib.sha256(dsse_bytes).hexdigest()
-    conn = session.connection().connection.driver_connection
-    assert conn is not None
-    with conn.cursor() as cur:
+    with raw_cursor(session) as cur:
         index = sequencer.append_one(cur, kind, ref, digest)
     return Appended(index, dsse_bytes, digest)

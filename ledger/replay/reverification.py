@@ -20,6 +20,7 @@ from sqlalchemy import Engine, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
+from ledger.core.states import JOB_FINISHED, VerdictOutcome
 from ledger.db.models import (
     Envelope,
     ReplayJob,
@@ -45,7 +46,7 @@ def window_start_for(policy: ReverificationPolicy, at: datetime) -> datetime:
 def due_windows(policy: ReverificationPolicy, claimed: set[datetime],
                 now: datetime) -> list[datetime]:
     step = timedelta(seconds=policy.interval_seconds)
-    out = []
+    out: list[datetime] = []
     start = policy.first_window_start
     if policy.max_age_seconds is not None:  # never look further back than max_age
         floor = now - timedelta(seconds=policy.max_age_seconds)
@@ -155,19 +156,20 @@ def report(session: Session, run_id: str) -> dict[str, Any]:
         .join(ReplayJob, ReplayJob.id == Verdict.job_id)
         .where(ReplayJob.run_id == rid)).all()
     outcomes = Counter(v.outcome for v in verdicts)
-    tiers = Counter(v.tier for v in verdicts if v.outcome == "reproduced")
+    tiers = Counter(v.tier for v in verdicts if v.outcome == VerdictOutcome.REPRODUCED)
     drift: dict[tuple[str, str], Counter[str]] = defaultdict(Counter)
     for v in verdicts:
         drift[(v.fingerprint_id, v.model_sha256)][v.outcome] += 1
     per_group = []
     for (fp, model), counts in sorted(drift.items()):
-        judged = counts["reproduced"] + counts["diverged"]
+        diverged_n = counts[VerdictOutcome.DIVERGED]
+        judged = counts[VerdictOutcome.REPRODUCED] + diverged_n
         per_group.append({"fingerprint_id": fp, "model_sha256": model, "counts": dict(counts),
-                          "drift_rate": (counts["diverged"] / judged) if judged else None})
+                          "drift_rate": (diverged_n / judged) if judged else None})
     diverged = [{"request_id": v.request_id, "verdict_id": v.verdict_id,
                  "first_divergence": (v.details.get("first_divergence") or {}).get("index")}
-                for v in verdicts if v.outcome == "diverged"]
-    pending = sum(1 for j in job_rows if j.state not in ("done", "poisoned", "failed"))
+                for v in verdicts if v.outcome == VerdictOutcome.DIVERGED]
+    pending = sum(1 for j in job_rows if j.state not in JOB_FINISHED)
     total_jobs = len(job_rows)
     complete = pending == 0 and len(verdicts) >= run.sampled
     out = {

@@ -9,6 +9,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ledger.core.statements import verdict_statement
+from ledger.core.states import DISPUTE_DECIDED
 from ledger.db.models import Dispute, Envelope, ReplayJob, ReplayJobItem, Verdict
 from ledger.replay import disputes
 from ledger.replay.records import Signer, append_signed
@@ -44,7 +45,7 @@ def store_verdict(session: Session, *, job: ReplayJob, item: ReplayJobItem, outc
     session.flush()
     if item.dispute_id is not None:
         dispute = session.get(Dispute, item.dispute_id, with_for_update=True)
-        if dispute is not None and dispute.state not in ("verdict", "resolved"):
+        if dispute is not None and dispute.state not in DISPUTE_DECIDED:
             dispute.verdict_id = vid
             disputes.emit(session, dispute, "verdict", worker_id, signer,
                           {"verdict_id": vid, "outcome": outcome, "tier": details.get("tier"),

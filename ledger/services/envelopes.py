@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
-import json
 from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ledger.db.models import Envelope
-from ledger.errors import BadRequest, NotFound
+from ledger.errors import NotFound
+from ledger.replay import views
+from ledger.services.pagination import KeyKind, Page, SortKey, page, query_digest
 
 INDEX_COLUMNS = (
     Envelope.request_id, Envelope.log_index, Envelope.recorded_at, Envelope.ingested_at,
@@ -51,50 +49,55 @@ class SearchFilters:
     order: str = "asc"
 
     def digest(self) -> str:
-        blob = json.dumps(asdict(self), default=str, sort_keys=True).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        return query_digest(asdict(self))
 
 
-def encode_cursor(last_index: int, filters: SearchFilters) -> str:
-    raw = json.dumps({"after": last_index, "q": filters.digest()}, separators=(",", ":"))
-    return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
-
-
-def decode_cursor(cursor: str, filters: SearchFilters) -> int:
-    try:
-        padded = cursor + "=" * (-len(cursor) % 4)
-        obj = json.loads(base64.urlsafe_b64decode(padded.encode("ascii")))
-        after, q = obj["after"], obj["q"]
-    except (ValueError, KeyError, TypeError, binascii.Error, UnicodeError) as exc:
-        raise BadRequest("cursor is not one this API issued", code="bad_cursor") from exc
-    if (not isinstance(after, int) or isinstance(after, bool) or not -1 <= after < 2**63
-            or q != filters.digest()):
-        raise BadRequest("cursor belongs to a different query; start again without it",
-                         code="bad_cursor")
-    return after
+ENVELOPE_KINDS: tuple[KeyKind, ...] = ("int",)
 
 
 def search(session: Session, filters: SearchFilters, *, limit: int,
-           cursor: str | None) -> tuple[list[dict[str, Any]], str | None]:
-    stmt: Select[Any] = select(*INDEX_COLUMNS)
-    if filters.model_sha256:
-        stmt = stmt.where(Envelope.model_sha256 == filters.model_sha256)
-    if filters.model_name:
-        stmt = stmt.where(Envelope.model_name == filters.model_name)
-    if filters.fingerprint_id:
-        stmt = stmt.where(Envelope.fingerprint_id == filters.fingerprint_id)
-    if filters.channel:
-        stmt = stmt.where(Envelope.channel == filters.channel)
+           cursor: str | None) -> Page[dict[str, Any]]:
+    """Index fields of the envelopes matching ``filters``, in log order (or reversed), one
+    page at a time (:mod:`ledger.services.pagination`; the key is ``log_index``)."""
+    stmt = select(*INDEX_COLUMNS)
+    for column, value in ((Envelope.model_sha256, filters.model_sha256),
+                          (Envelope.model_name, filters.model_name),
+                          (Envelope.fingerprint_id, filters.fingerprint_id),
+                          (Envelope.channel, filters.channel)):
+        if value:
+            stmt = stmt.where(column == value)
     if filters.recorded_after:
         stmt = stmt.where(Envelope.recorded_at >= filters.recorded_after)
     if filters.recorded_before:
         stmt = stmt.where(Envelope.recorded_at < filters.recorded_before)
-    descending = filters.order == "desc"
-    if cursor:
-        after = decode_cursor(cursor, filters)
-        stmt = stmt.where(Envelope.log_index < after if descending else Envelope.log_index > after)
-    stmt = stmt.order_by(Envelope.log_index.desc() if descending else Envelope.log_index)
-    rows = session.execute(stmt.limit(limit + 1)).all()
-    items = [_index_dict(r) for r in rows[:limit]]
-    next_cursor = encode_cursor(items[-1]["log_index"], filters) if len(rows) > limit else None
-    return items, next_cursor
+    sort = SortKey(((Envelope.log_index, filters.order == "desc"),), ENVELOPE_KINDS)
+    rows, next_cursor = page(session, stmt, sort, limit=limit, cursor=cursor,
+                             digest=filters.digest(), key_of=lambda r: (r.log_index,),
+                             scalars=False)
+    return Page([_index_dict(r) for r in rows], next_cursor)
+
+
+@dataclass(frozen=True, slots=True)
+class EnvelopeView:
+    """One stored envelope as served: the DSSE bytes verbatim, the index columns, and
+    ``integrity`` naming the columns that disagree with the signed payload."""
+
+    dsse: bytes
+    index: dict[str, Any]
+    integrity: dict[str, Any]
+
+    def statement(self) -> dict[str, Any]:
+        """The decoded in-toto statement (for readers such as the console; the bytes
+        above are what was signed)."""
+        statement: dict[str, Any] = views.open_signed(self.dsse).statement
+        return statement
+
+
+def envelope_view(session: Session, request_id: str) -> EnvelopeView:
+    dsse_bytes, fields = get_envelope(session, request_id)
+    try:
+        integrity = views.integrity(fields, views.envelope_index(dsse_bytes),
+                                    views.ENVELOPE_INDEX_FIELDS)
+    except views.SignedRecordError as exc:
+        integrity = views.unreadable(exc)
+    return EnvelopeView(dsse_bytes, fields, integrity)

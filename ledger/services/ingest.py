@@ -36,6 +36,7 @@ from ledger.core import dsse
 from ledger.core.envelope import IndexFields, Limits, index_fields, parse_statement
 from ledger.core.errors import FormatError, LedgerError, ValidationFailed
 from ledger.db.models import SigningKey
+from ledger.db.session import raw_cursor
 from ledger.services import sequencer
 from ledger.services.keys import KeyRing, load_keyring
 from ledger.settings import Settings
@@ -62,10 +63,24 @@ class Prepared:
     runtime: dict[str, Any]
 
 
+class ItemOutcome(StrEnum):
+    CREATED = "created"      # stored now, with a new log index
+    EXISTING = "existing"    # stored before with these very bytes
+    CONFLICT = "conflict"    # the request_id is stored with other bytes
+    REJECTED = "rejected"    # did not verify or validate (``error`` says why)
+    ABORTED = "aborted"      # valid, but not stored: another item of an atomic batch failed
+
+
+#: The codes results carried before they had outcomes, kept for callers that read
+#: :attr:`ItemResult.status`; the API maps outcomes (and a rejection's error) itself.
+_LEGACY_STATUS = {ItemOutcome.CREATED: 201, ItemOutcome.EXISTING: 200,
+                  ItemOutcome.CONFLICT: 409, ItemOutcome.ABORTED: 424}
+
+
 @dataclass(slots=True)
 class ItemResult:
     position: int
-    status: int                     # 201 created, 200 existing, 409 conflict, 4xx rejected
+    outcome: ItemOutcome
     request_id: str | None = None
     log_index: int | None = None
     dsse_sha256: str | None = None
@@ -75,15 +90,20 @@ class ItemResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def outcome(self) -> str:
-        return {201: "created", 200: "existing", 409: "conflict",
-                424: "aborted"}.get(self.status, "rejected")
+    def status(self) -> int:
+        """Compatibility: 201, 200, 409 or 424 as before; 400 for any rejection (the API
+        serves a rejection with its error's own status)."""
+        return _LEGACY_STATUS.get(self.outcome, 400)
+
+    @property
+    def stored(self) -> bool:
+        return self.outcome in (ItemOutcome.CREATED, ItemOutcome.EXISTING)
 
     @property
     def failed(self) -> bool:
-        """A conflict or a rejection (424, "not stored because another item failed", is
-        not a failure of this item)."""
-        return self.status >= 400 and self.status != 424
+        """A conflict or a rejection (an aborted item, "not stored because another item
+        failed", is not a failure of this item)."""
+        return self.outcome in (ItemOutcome.CONFLICT, ItemOutcome.REJECTED)
 
 
 @dataclass(slots=True)
@@ -191,26 +211,20 @@ def decode_items(raw_items: Sequence[Any], settings: Settings,
     for pos, env in enumerate(envs):
         if isinstance(env, LedgerError):
             prepared.append(None)
-            failures.append(ItemResult(pos, _status_of(env), error=env))
+            failures.append(ItemResult(pos, ItemOutcome.REJECTED, error=env))
             continue
         try:
             prepared.append(prepare(env, keyring, limits, now, not_before))
         except LedgerError as exc:
             prepared.append(None)
-            failures.append(ItemResult(pos, _status_of(exc), error=exc))
+            failures.append(ItemResult(pos, ItemOutcome.REJECTED, error=exc))
     return prepared, failures
-
-
-def _status_of(exc: LedgerError) -> int:
-    from ledger.problems import status_for  # local: problems imports services for types
-
-    return status_for(exc)
 
 
 def _classify(cur: Any, size: int, prepared: Sequence[Prepared | None]
               ) -> tuple[list[ItemResult | None], list[tuple[int, Prepared]]]:
-    """Under the sequencer lock, read only: each prepared item is new (201, with the index
-    it will get), existing (200, same bytes) or a conflict (409, other bytes)."""
+    """Under the sequencer lock, read only: each prepared item is new (with the index
+    it will get), existing (same bytes) or a conflict (other bytes)."""
     results: list[ItemResult | None] = [None] * len(prepared)
     todo = [(pos, p) for pos, p in enumerate(prepared) if p is not None]
     cur.execute(
@@ -228,12 +242,14 @@ def _classify(cur: Any, size: int, prepared: Sequence[Prepared | None]
             idx = size + len(new_rows)
             new_rows.append((idx, p))
             known[rid] = (p.dsse_sha256, idx, p.fields.fingerprint_id)
-            results[pos] = ItemResult(pos, 201, rid, idx, p.dsse_sha256.hex(),
+            results[pos] = ItemResult(pos, ItemOutcome.CREATED, rid, idx, p.dsse_sha256.hex(),
                                       p.fields.fingerprint_id)
         elif prior[0] == p.dsse_sha256:
-            results[pos] = ItemResult(pos, 200, rid, prior[1], p.dsse_sha256.hex(), prior[2])
+            results[pos] = ItemResult(pos, ItemOutcome.EXISTING, rid, prior[1],
+                                      p.dsse_sha256.hex(), prior[2])
         else:
-            results[pos] = ItemResult(pos, 409, rid, prior[1], p.dsse_sha256.hex(),
+            results[pos] = ItemResult(pos, ItemOutcome.CONFLICT, rid, prior[1],
+                                      p.dsse_sha256.hex(),
                                       existing_dsse_sha256=prior[0].hex())
     return results, new_rows
 
@@ -269,9 +285,7 @@ def ingest_batch(session: Session, raw_items: Sequence[Any], settings: Settings,
     prepared, failures = decode_items(raw_items, settings, session)
     results: list[ItemResult | None] = [None] * n
     new_rows: list[tuple[int, Prepared]] = []
-    conn = session.connection().connection.driver_connection
-    assert conn is not None
-    with conn.cursor() as cur:
+    with raw_cursor(session) as cur:
         if any(p is not None for p in prepared):
             size = sequencer.lock(cur)
             results, new_rows = _classify(cur, size, prepared)
@@ -292,7 +306,8 @@ def ingest(session: Session, raw_items: Sequence[Any], settings: Settings, *,
 
 
 def _rejected(n: int, failures: list[ItemResult]) -> IngestReport:
-    out: list[ItemResult] = [ItemResult(pos, 424, extra={"reason": "another item failed"})
+    out: list[ItemResult] = [ItemResult(pos, ItemOutcome.ABORTED,
+                                                     extra={"reason": "another item failed"})
                              for pos in range(n)]
     for f in failures:
         f.extra["atomic"] = True

@@ -108,6 +108,13 @@ def attest_key(session: Session, keyid: str, *, signer: Signer,
     return appended
 
 
+def get_key(session: Session, keyid: str) -> SigningKey:
+    row = session.get(SigningKey, keyid)
+    if row is None:
+        raise NotFound(f"no signing key {keyid}")
+    return row
+
+
 def list_keys(session: Session, purpose: str | None = None) -> list[SigningKey]:
     stmt = select(SigningKey).order_by(SigningKey.created_at, SigningKey.keyid)
     if purpose:

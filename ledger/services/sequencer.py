@@ -12,14 +12,12 @@ from typing import Any
 
 from ledger.core.logentry import log_entry_bytes
 from ledger.core.merkle import leaf_hash
+from ledger.log import store
 
 
 def lock(cur: Any) -> int:
     """Lock the sequencer for this transaction; returns the next free log index."""
-    cur.execute("SELECT size FROM log_state WHERE id = 1 FOR UPDATE")
-    row = cur.fetchone()
-    assert row is not None, "log_state row missing: run `ledger db upgrade`"
-    return int(row[0])
+    return store.sequenced_size(cur, lock=True)
 
 
 def append(cur: Any, start: int, leaves: Sequence[tuple[str, str, str]]) -> list[int]:
@@ -27,13 +25,11 @@ def append(cur: Any, start: int, leaves: Sequence[tuple[str, str, str]]) -> list
     The caller holds the lock (``start`` came from :func:`lock`)."""
     if not leaves:
         return []
-    with cur.copy("COPY log_entries (idx, kind, ref, entry, leaf_hash) "
-                  "FROM STDIN (FORMAT BINARY)") as copy:
-        copy.set_types(["int8", "text", "text", "bytea", "bytea"])
-        for offset, (kind, ref, digest) in enumerate(leaves):
-            entry = log_entry_bytes(kind, ref, digest)
-            copy.write_row((start + offset, kind, ref, entry, leaf_hash(entry)))
-    cur.execute("UPDATE log_state SET size = %s WHERE id = 1", (start + len(leaves),))
+    rows = []
+    for kind, ref, digest in leaves:
+        entry = log_entry_bytes(kind, ref, digest)
+        rows.append((kind, ref, entry, leaf_hash(entry)))
+    store.append_entries(cur, start, rows)
     return list(range(start, start + len(leaves)))
 
 

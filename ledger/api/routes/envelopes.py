@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
 import orjson
-from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.orm import Session
@@ -17,8 +16,18 @@ from sqlalchemy.orm import Session
 from ledger import metrics
 from ledger.api.auth import require
 from ledger.api.deps import get_session, get_settings_dep
+from ledger.api.params import (
+    AfterQuery,
+    BeforeQuery,
+    Cursor,
+    FingerprintQuery,
+    Limit,
+    RequestIdPath,
+    Sha256Query,
+)
 from ledger.api.schemas import (
     COMMON_RESPONSES,
+    SAFE_TEXT,
     BatchIn,
     BatchOut,
     DsseEnvelopeIn,
@@ -32,8 +41,7 @@ from ledger.core.errors import FormatError, ValidationFailed
 from ledger.errors import Conflict
 from ledger.log import proofs
 from ledger.log.integrator import integrate_once
-from ledger.problems import MEDIA_TYPE, problem, problem_for
-from ledger.replay import views
+from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
 from ledger.services import envelopes as envelope_service
 from ledger.services import ingest as ingest_service
 from ledger.services.apikeys import Principal
@@ -42,9 +50,21 @@ from ledger.settings import Settings
 router = APIRouter(prefix="/v1", tags=["envelopes"], responses=COMMON_RESPONSES)
 log = logging.getLogger("ledger.api")
 
+Outcome = ingest_service.ItemOutcome
+_STATUS = {Outcome.CREATED: 201, Outcome.EXISTING: 200, Outcome.CONFLICT: 409,
+           Outcome.ABORTED: 424}
+
+
+def http_status(r: ingest_service.ItemResult) -> int:
+    """The HTTP status an item's outcome is served with (a rejection: its error's)."""
+    if r.error is not None:
+        return status_for(r.error)
+    return _STATUS[r.outcome]
+
+
 def _result_dict(r: ingest_service.ItemResult) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "position": r.position, "status": r.status, "outcome": r.outcome,
+        "position": r.position, "status": http_status(r), "outcome": r.outcome,
         "request_id": r.request_id, "log_index": r.log_index, "dsse_sha256": r.dsse_sha256,
         "fingerprint_id": r.fingerprint_id,
     }
@@ -52,12 +72,12 @@ def _result_dict(r: ingest_service.ItemResult) -> dict[str, Any]:
         out["existing_dsse_sha256"] = r.existing_dsse_sha256
     if r.error is not None:
         out["problem"] = problem_for(r.error)
-    elif r.status == 409:
+    elif r.outcome is Outcome.CONFLICT:
         out["problem"] = problem(409, "request_id_conflict",
                                  f"request_id {r.request_id!r} is stored with different bytes",
                                  existing_dsse_sha256=r.existing_dsse_sha256,
                                  submitted_dsse_sha256=r.dsse_sha256)
-    elif r.status == 424:
+    elif r.outcome is Outcome.ABORTED:
         out["problem"] = problem(424, "batch_aborted",
                                  "not stored: another item of this atomic batch failed")
     return out
@@ -65,11 +85,11 @@ def _result_dict(r: ingest_service.ItemResult) -> dict[str, Any]:
 
 def _count(results: list[ingest_service.ItemResult]) -> None:
     for r in results:
-        if r.status in (200, 201):
+        if r.stored:
             metrics.INGESTED.labels(r.outcome).inc()
         elif r.error is not None:
             metrics.REJECTED.labels(r.error.code).inc()
-        elif r.status == 409:
+        elif r.outcome is Outcome.CONFLICT:
             metrics.REJECTED.labels("request_id_conflict").inc()
 
 
@@ -124,14 +144,14 @@ async def ingest_one(
     session: Session = Depends(get_session),
     settings: Settings = Depends(get_settings_dep),
 ) -> Response:
-    body = await _read_capped(request, settings.max_envelope_bytes)
+    raw = await _read_capped(request, settings.max_envelope_bytes)
     metrics.BATCH_SIZE.observe(1)
-    report = await run_in_threadpool(_ingest_sync, session, [body], settings, False)
+    report = await run_in_threadpool(_ingest_sync, session, [raw], settings, False)
     _count(report.results)
     r = report.results[0]
     if r.error is not None:
         raise r.error
-    if r.status == 409:
+    if r.outcome is Outcome.CONFLICT:
         raise Conflict(
             f"request_id {r.request_id!r} is already stored with different bytes",
             code="request_id_conflict", request_id=r.request_id,
@@ -141,7 +161,7 @@ async def ingest_one(
     if wait and r.log_index is not None:
         receipts = await _receipts(request, session, [r.log_index], timeout)
         body["receipt"] = receipts[0] if receipts else None
-    return JSONResponse(body, status_code=r.status)
+    return JSONResponse(body, status_code=http_status(r))
 
 
 async def _receipts(request: Request, session: Session, indices: list[int],
@@ -172,19 +192,22 @@ async def _receipts(request: Request, session: Session, indices: list[int],
             await asyncio.sleep(0.02)
 
 
+BATCH_DESCRIPTION = (
+    "Each item is verified and validated on its own. By default the valid items are "
+    "stored together in one transaction and invalid ones are reported per item "
+    "(`status` 4xx with a `problem`). Every item is held to the single-envelope limits "
+    "(an item over `max_envelope_bytes` is `status` 413). Repeats of stored envelopes "
+    "(same bytes) are `existing`; other bytes under a stored request_id are `conflict` "
+    "(409). With `atomic=true` any failed item, a conflict included, rejects the whole "
+    "batch and nothing is written: a `batch_rejected` problem (409, 413 or 422) names "
+    "the failed positions and carries the per-item results.")
+
+
 @router.post(
     "/envelopes/batch",
     response_model=BatchOut,
     summary="Ingest many envelopes; a result per item",
-    description=(
-        "Each item is verified and validated on its own. By default the valid items are "
-        "stored together in one transaction and invalid ones are reported per item "
-        "(`status` 4xx with a `problem`). Every item is held to the single-envelope limits "
-        "(an item over `max_envelope_bytes` is `status` 413). Repeats of stored envelopes "
-        "(same bytes) are `existing`; other bytes under a stored request_id are `conflict` "
-        "(409). With `atomic=true` any failed item, a conflict included, rejects the whole "
-        "batch and nothing is written: a `batch_rejected` problem (409, 413 or 422) names "
-        "the failed positions and carries the per-item results."),
+    description=BATCH_DESCRIPTION,
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/BatchIn"}}}}},
     responses={409: {"description": "Atomic batch rejected: request_id conflicts only",
@@ -202,39 +225,49 @@ async def ingest_batch(
     session: Session = Depends(get_session),
     settings: Settings = Depends(get_settings_dep),
 ) -> Response:
-    body = await request.body()
+    items = _batch_items(await request.body(), settings)
+    metrics.BATCH_SIZE.observe(len(items))
+    report = await run_in_threadpool(_ingest_sync, session, items, settings, atomic)
+    _count(report.results)
+    dicts = [_result_dict(r) for r in report.results]
+    if report.outcome is ingest_service.BatchOutcome.REJECTED:
+        return _rejected_batch(report, dicts)
+    stored = [(d, r.log_index) for d, r in zip(dicts, report.results, strict=True)
+              if r.stored and r.log_index is not None]
+    if wait and stored:
+        got = await _receipts(request, session, [i for _d, i in stored], timeout)
+        receipts: list[dict[str, Any] | None] = list(got) if got else [None] * len(stored)
+        for (d, _i), receipt in zip(stored, receipts, strict=True):
+            d["receipt"] = receipt
+    return Response(orjson.dumps(_batch_summary(report.results, dicts)),
+                    media_type="application/json")
+
+
+def _batch_items(body: bytes, settings: Settings) -> list[Any]:
+    """The envelopes of a batch body, held to the batch limits."""
     doc = jsonstrict.loads(body, what="batch body", max_depth=6)
     if not isinstance(doc, dict) or set(doc) != {"envelopes"} or not isinstance(
             doc["envelopes"], list):
         raise FormatError('batch body must be {"envelopes": [<DSSE envelope>, ...]}',
                           code="malformed_batch")
-    items = doc["envelopes"]
+    items: list[Any] = doc["envelopes"]
     if not items:
         raise FormatError("batch holds no envelopes", code="empty_batch")
     if len(items) > settings.max_batch_items:
         raise ValidationFailed(f"batch holds {len(items)} envelopes; the limit is "
                                f"{settings.max_batch_items}", code="too_many_items")
-    metrics.BATCH_SIZE.observe(len(items))
-    report = await run_in_threadpool(_ingest_sync, session, items, settings, atomic)
-    results = report.results
-    _count(results)
-    dicts = [_result_dict(r) for r in results]
-    if report.outcome is ingest_service.BatchOutcome.REJECTED:
-        return _rejected_batch(report, dicts)
-    stored = [(d, r.log_index) for d, r in zip(dicts, results, strict=True)
-              if r.status in (200, 201) and r.log_index is not None]
-    if wait and stored:
-        receipts = await _receipts(request, session, [i for _, i in stored], timeout)
-        for (d, _), receipt in zip(stored, receipts or [None] * len(stored), strict=True):
-            d["receipt"] = receipt
-    summary = {
-        "created": sum(r.status == 201 for r in results),
-        "existing": sum(r.status == 200 for r in results),
-        "conflicts": sum(r.status == 409 for r in results),
-        "rejected": sum(r.status >= 400 and r.status != 409 for r in results),
-        "results": dicts,
-    }
-    return Response(orjson.dumps(summary), media_type="application/json")
+    return items
+
+
+def _batch_summary(results: list[ingest_service.ItemResult],
+                   dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    outcomes = [r.outcome for r in results]
+    return {"created": outcomes.count(Outcome.CREATED),
+            "existing": outcomes.count(Outcome.EXISTING),
+            "conflicts": outcomes.count(Outcome.CONFLICT),
+            "rejected": sum(r.error is not None or r.outcome is Outcome.ABORTED
+                            for r in results),
+            "results": dicts}
 
 
 def _rejected_batch(report: ingest_service.IngestReport,
@@ -243,7 +276,7 @@ def _rejected_batch(report: ingest_service.IngestReport,
     status is the failed items' own when they agree (409 for conflicts only, 413 for
     oversized items only), 422 otherwise."""
     failed = report.failed
-    statuses = {f.status for f in failed}
+    statuses = {http_status(f) for f in failed}
     status = statuses.pop() if len(statuses) == 1 else 422
     named = ", ".join(f"#{f.position}" + (f" ({f.request_id})" if f.request_id else "") +
                       f": {f.error.code if f.error else f.outcome}" for f in failed[:20])
@@ -257,44 +290,36 @@ def _rejected_batch(report: ingest_service.IngestReport,
 @router.get("/envelopes/{request_id}", response_model=EnvelopeOut,
             summary="One envelope: the stored DSSE bytes verbatim, plus index fields")
 def get_envelope(
-    request_id: Annotated[str, Path(max_length=200, pattern=r"^[A-Za-z0-9._:@+=-]+$")],
+    request_id: RequestIdPath,
     _: Principal = Depends(require("envelopes:read")),
     session: Session = Depends(get_session),
 ) -> Response:
-    dsse_bytes, fields = envelope_service.get_envelope(session, request_id)
-    index = orjson.dumps(fields)
-    # Index columns that disagree with the signed payload are flagged, never served silently.
-    try:
-        integrity = views.integrity(fields, views.envelope_index(dsse_bytes),
-                                    views.ENVELOPE_INDEX_FIELDS)
-    except views.SignedRecordError as exc:
-        integrity = views.unreadable(exc)
+    view = envelope_service.envelope_view(session, request_id)
     # The DSSE member is spliced in byte for byte: what was stored is what is served.
-    return Response(b'{"dsse":' + dsse_bytes + b',"index":' + index + b',"integrity":'
-                    + orjson.dumps(integrity) + b"}", media_type="application/json")
+    # Index columns that disagree with the signed payload are flagged in "integrity".
+    return Response(b'{"dsse":' + view.dsse + b',"index":' + orjson.dumps(view.index)
+                    + b',"integrity":' + orjson.dumps(view.integrity) + b"}",
+                    media_type="application/json")
 
 
 @router.get("/envelopes", response_model=EnvelopePage, summary="Search envelopes")
 def search_envelopes(
-    model_sha256: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
-    model_name: Annotated[str | None, Query(max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$")] = None,
-    fingerprint_id: Annotated[str | None, Query(pattern=r"^fp-[0-9a-f]{16}$")] = None,
+    model_sha256: Sha256Query = None,
+    model_name: Annotated[str | None, Query(max_length=200, pattern=SAFE_TEXT)] = None,
+    fingerprint_id: FingerprintQuery = None,
     channel: Literal["deterministic", "performance"] | None = None,
-    recorded_after: datetime | None = Query(None, description="inclusive, RFC 3339"),
-    recorded_before: datetime | None = Query(None, description="exclusive, RFC 3339"),
+    recorded_after: AfterQuery = None,
+    recorded_before: BeforeQuery = None,
     order: Literal["asc", "desc"] = "asc",
-    limit: int = Query(100, ge=1, le=1000),
-    cursor: Annotated[str | None, Query(max_length=200, pattern=r"^[A-Za-z0-9_-]*$")] = None,
+    limit: Limit = 100,
+    cursor: Cursor = None,
     _: Principal = Depends(require("envelopes:read")),
     session: Session = Depends(get_session),
 ) -> Response:
-    for name, value in (("recorded_after", recorded_after), ("recorded_before", recorded_before)):
-        if value is not None and value.tzinfo is None:
-            raise ValidationFailed(f"{name} needs a UTC offset (RFC 3339)", code="naive_time")
     filters = envelope_service.SearchFilters(model_sha256, model_name, fingerprint_id, channel,
                                              recorded_after, recorded_before, order)
-    items, next_cursor = envelope_service.search(session, filters, limit=limit, cursor=cursor)
-    return Response(orjson.dumps({"items": items, "next_cursor": next_cursor}),
+    found = envelope_service.search(session, filters, limit=limit, cursor=cursor)
+    return Response(orjson.dumps({"items": found.items, "next_cursor": found.next_cursor}),
                     media_type="application/json")
 
 

@@ -12,6 +12,7 @@ itself can be public; envelopes stay behind the API's roles.
 
 from __future__ import annotations
 
+import base64
 import itertools
 import re
 from datetime import datetime
@@ -24,35 +25,34 @@ from sqlalchemy.orm import Session
 
 from ledger.api.auth import require
 from ledger.api.deps import get_session
+from ledger.api.params import (
+    AfterQuery,
+    BeforeQuery,
+    FingerprintQuery,
+    RequestIdPath,
+    Sha256Query,
+)
 from ledger.api.schemas import COMMON_RESPONSES
+from ledger.core.envelope import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
 from ledger.core.errors import ValidationFailed
 from ledger.core.note import format_verifier_key
 from ledger.core.tiles import EntryBundle, Tile, encode_entry_bundle, parse_tile_path, tile_width
+from ledger.db.session import raw_cursor
 from ledger.errors import NotFound
 from ledger.log import proofs, witnessing
 from ledger.log.export import Selection, bundle_lines
-from ledger.log.store import PgTileReader, entries, latest_checkpoint
+from ledger.log.signer import log_verifiers
+from ledger.log.store import PgTileReader, entries, integrated_size, latest_checkpoint
+from ledger.replay.records import require_signer
 from ledger.services import audit
 from ledger.services import envelopes as envelope_service
 from ledger.services.apikeys import Principal
 
 router = APIRouter(responses=COMMON_RESPONSES)
 
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}$")
+_REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 IMMUTABLE = {"Cache-Control": "public, max-age=31536000, immutable"}
 NO_CACHE = {"Cache-Control": "no-cache"}
-
-
-def _cursor(session: Session) -> Any:
-    conn = session.connection().connection.driver_connection
-    assert conn is not None
-    return conn.cursor()
-
-
-def _integrated_size(cur: Any) -> int:
-    cur.execute("SELECT size FROM log_tree WHERE id = 1")
-    row = cur.fetchone()
-    return int(row[0]) if row else 0
 
 
 @router.get("/log/checkpoint", tags=["tlog-tiles"], response_class=Response,
@@ -61,7 +61,7 @@ def _integrated_size(cur: Any) -> int:
 def tlog_checkpoint(session: Session = Depends(get_session)) -> Response:
     """The log's signature first, then the witnesses' cosignatures (C2SP tlog-cosignature)
     stored for this checkpoint: readers that know only the log key ignore them."""
-    with _cursor(session) as cur:
+    with raw_cursor(session) as cur:
         cp = latest_checkpoint(cur)
     if cp is None:
         raise proofs.NotYetIntegrated("the log has no checkpoint yet")
@@ -132,7 +132,7 @@ class WitnessesOut(BaseModel):
 def log_witnesses(request: Request, session: Session = Depends(get_session),
                   _: Principal = Depends(require("log:read")),  # errors may name hosts
                   ) -> WitnessesOut:
-    with _cursor(session) as cur:
+    with raw_cursor(session) as cur:
         cp = latest_checkpoint(cur)
     keys = {e.name: e.key.verifier_key
             for e in witnessing.witness_endpoints(request.app.state.settings)}
@@ -150,8 +150,8 @@ def log_witnesses(request: Request, session: Session = Depends(get_session),
 def tlog_tile(path: Annotated[str, Path(max_length=200)],
               session: Session = Depends(get_session)) -> Response:
     tile = parse_tile_path("tile/" + path)
-    with _cursor(session) as cur:
-        size = _integrated_size(cur)
+    with raw_cursor(session) as cur:
+        size = integrated_size(cur)
         level = tile.level if isinstance(tile, Tile) else 0
         available = tile_width(level, tile.index, size)
         if tile.width > available or (tile.width == 256 and available < 256):
@@ -169,16 +169,12 @@ def tlog_tile(path: Annotated[str, Path(max_length=200)],
 @router.get("/v1/log/checkpoint", tags=["log"], response_model=CheckpointOut,
             summary="The latest checkpoint as JSON, with the log's verifier keys")
 def checkpoint_json(session: Session = Depends(get_session)) -> dict[str, Any]:
-    from ledger.log.signer import log_verifiers
-
-    with _cursor(session) as cur:
+    with raw_cursor(session) as cur:
         cp = latest_checkpoint(cur)
     if cp is None:
         raise proofs.NotYetIntegrated("the log has no checkpoint yet")
     origin = cp.note.decode().split("\n", 1)[0]
     keys = [format_verifier_key(v.name, v.public_key) for v in log_verifiers(session, origin)]
-    import base64
-
     return {"tree_size": cp.tree_size, "root_hash": base64.b64encode(cp.root_hash).decode(),
             "checkpoint": cp.note.decode(), "origin": origin, "verifier_keys": keys}
 
@@ -210,7 +206,7 @@ def entry_proof(
             response_model=EnvelopeInclusionProofOut,
             summary="Inclusion proof of an envelope against a signed checkpoint")
 def envelope_proof(
-    request_id: Annotated[str, Path(max_length=200, pattern=r"^[A-Za-z0-9._:@+=-]+$")],
+    request_id: RequestIdPath,
     tree_size: int | None = Query(None, ge=1, le=2**62,
                                   description="a checkpointed size; default the latest"),
     _: Principal = Depends(require("envelopes:read")),
@@ -226,28 +222,23 @@ def envelope_proof(
             responses={200: {"content": {"application/x-ndjson": {}}}})
 def export_bundle(
     request: Request,
-    recorded_after: datetime | None = Query(None, description="inclusive, RFC 3339"),
-    recorded_before: datetime | None = Query(None, description="exclusive, RFC 3339"),
-    model_sha256: Annotated[str | None, Query(pattern=r"^[0-9a-f]{64}$")] = None,
-    fingerprint_id: Annotated[str | None, Query(pattern=r"^fp-[0-9a-f]{16}$")] = None,
+    recorded_after: AfterQuery = None,
+    recorded_before: BeforeQuery = None,
+    model_sha256: Sha256Query = None,
+    fingerprint_id: FingerprintQuery = None,
     request_id: Annotated[list[str] | None, Query(
         max_length=1000, description="repeatable")] = None,
     limit: int | None = Query(None, ge=1, le=1_000_000),
     principal: Principal = Depends(require("export")),
     session: Session = Depends(get_session),
 ) -> StreamingResponse:
-    for name, value in (("recorded_after", recorded_after), ("recorded_before", recorded_before)):
-        if value is not None and value.tzinfo is None:
-            raise ValidationFailed(f"{name} needs a UTC offset (RFC 3339)", code="naive_time")
     for rid in request_id or []:
-        if not _REQUEST_ID.fullmatch(rid):
+        if len(rid) > REQUEST_ID_MAX_LENGTH or not _REQUEST_ID.fullmatch(rid):
             raise ValidationFailed(f"request_id {rid[:50]!r} is not a valid request ID",
                                    code="invalid_request")
     selection = Selection(recorded_after, recorded_before, model_sha256, fingerprint_id,
                           tuple(request_id or ()), limit)
     audit.record(session, principal, "export", None, selection=selection.to_json())
-    from ledger.replay.records import require_signer
-
     lines = bundle_lines(request.app.state.engine, selection,
                          require_signer(request.app.state.service_signer,
                                         "an export (its manifest is signed)"))
