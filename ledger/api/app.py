@@ -14,7 +14,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -308,9 +308,19 @@ async def _ledger_error(_: Request, exc: Exception) -> Response:
     return _problem_response(body, headers)
 
 
+def _readable(error: Mapping[str, Any]) -> str:
+    """pydantic's message, except a pattern the client cannot be expected to read."""
+    from ledger.api.schemas import SAFE_TEXT
+
+    if error.get("type") == "string_pattern_mismatch" and \
+            (error.get("ctx") or {}).get("pattern") == SAFE_TEXT:
+        return "must be one line of text: no newlines, tabs or other control characters"
+    return str(error.get("msg"))
+
+
 async def _validation_error(_: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
-    errors = [{"loc": ".".join(str(p) for p in e.get("loc", ())), "msg": e.get("msg"),
+    errors = [{"loc": ".".join(str(p) for p in e.get("loc", ())), "msg": _readable(e),
                "type": e.get("type")} for e in exc.errors()[:20]]
     first = errors[0] if errors else {"loc": "", "msg": "invalid"}
     return _problem_response(problem(422, "invalid_request",

@@ -7,6 +7,8 @@ import base64
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -184,6 +186,23 @@ def _registry_signer(settings: Any) -> Any:
     return signer
 
 
+@contextmanager
+def _registry_session(settings: Any) -> Iterator[tuple[Any, Any]]:
+    """(session, signer) for a local admin change: the registry signer (or None, warned
+    about) registered first; the engine disposed of afterwards."""
+    from ledger.db.session import make_engine, session_scope
+
+    signer = _registry_signer(settings)
+    engine = make_engine(settings, pool_size=1)
+    try:
+        with session_scope(engine) as session:
+            if signer is not None:
+                signer.ensure_registered(session)
+            yield session, signer
+    finally:
+        engine.dispose()
+
+
 @keys_app.command("register")
 def keys_register(
     key_file: Annotated[Path, typer.Argument(help="Public key (PEM/base64) or private key PEM.")],
@@ -222,16 +241,11 @@ def keys_register(
             raise typer.Exit(1)
         out.print_json(resp.text)
         return
-    from ledger.db.session import make_engine, session_scope
     from ledger.services import audit
     from ledger.services import keys as key_service
     from ledger.services.apikeys import Principal
 
-    signer = _registry_signer(settings)
-    engine = make_engine(settings)
-    with session_scope(engine) as session:
-        if signer is not None:
-            signer.ensure_registered(session)
+    with _registry_session(settings) as (session, signer):
         row, created = key_service.register_key(session, public_key=raw, purpose=purpose,
                                                 name=name, not_before=not_before,
                                                 not_after=not_after, signer=signer,
@@ -240,7 +254,6 @@ def keys_register(
             audit.record(session, Principal(*LOCAL_ADMIN), "key.register", row.keyid,
                          purpose=purpose, name=name)
         keyid, status = row.keyid, row.status
-    engine.dispose()
     out.print_json(data={"keyid": keyid, "purpose": purpose, "name": name, "status": status,
                          "created": created})
 
@@ -249,20 +262,13 @@ def keys_register(
 def keys_revoke(keyid: str, reason: str = typer.Option(..., help="Why (kept in the audit)."),
                 database_url: Optional[str] = DatabaseUrlOption) -> None:  # noqa: UP045
     """Revoke a signing key (new envelopes signed by it are refused)."""
-    from ledger.db.session import make_engine, session_scope
     from ledger.services import audit
     from ledger.services import keys as key_service
     from ledger.services.apikeys import Principal
 
-    settings = settings_with(database_url)
-    signer = _registry_signer(settings)
-    engine = make_engine(settings)
-    with session_scope(engine) as session:
-        if signer is not None:
-            signer.ensure_registered(session)
+    with _registry_session(settings_with(database_url)) as (session, signer):
         key_service.revoke_key(session, keyid, reason, signer=signer, actor=LOCAL_ADMIN[1])
         audit.record(session, Principal(*LOCAL_ADMIN), "key.revoke", keyid, reason=reason)
-    engine.dispose()
     console.print(f"[yellow]revoked {keyid}[/yellow]")
 
 
@@ -301,24 +307,18 @@ def apikey_create(
 ) -> None:
     """Create an API key directly in the database; the key is printed once, alone on the
     last line of standard output."""
-    from ledger.db.session import make_engine, session_scope
     from ledger.services import audit
     from ledger.services.apikeys import ROLES, Principal, create_api_key
 
     if role not in ROLES:
         raise fail(f"unknown role {role!r}", f"one of {', '.join(ROLES)}")
     settings = settings_with(database_url)
-    signer = _registry_signer(settings)
-    engine = make_engine(settings)
-    with session_scope(engine) as session:
-        if signer is not None:
-            signer.ensure_registered(session)
+    with _registry_session(settings) as (session, signer):
         row, secret = create_api_key(session, name=name, role=role,
                                      pepper=settings.api_key_pepper.get_secret_value(),
                                      created_by="local-cli", signer=signer)
         audit.record(session, Principal(*LOCAL_ADMIN), "api_key.create", str(row.id),
                      name=name, role=role)
-    engine.dispose()
     console.print(f"API key {name!r} ({role}); it is shown only once:")
     print(secret)
 
@@ -348,25 +348,17 @@ def apikey_revoke(key_id: Annotated[str, typer.Argument(help="The key's id (`led
                   database_url: Optional[str] = DatabaseUrlOption) -> None:  # noqa: UP045
     """Revoke an API key: it is refused from now on (a signed registry leaf and an audit
     event record who did it)."""
-    from ledger.db.session import make_engine, session_scope
     from ledger.errors import NotFound
     from ledger.services import audit
     from ledger.services.apikeys import Principal, revoke_api_key
 
-    settings = settings_with(database_url)
-    signer = _registry_signer(settings)
-    engine = make_engine(settings, pool_size=1)
     try:
-        with session_scope(engine) as session:
-            if signer is not None:
-                signer.ensure_registered(session)
+        with _registry_session(settings_with(database_url)) as (session, signer):
             row = revoke_api_key(session, key_id, signer=signer, actor=LOCAL_ADMIN[1])
             audit.record(session, Principal(*LOCAL_ADMIN), "api_key.revoke", key_id)
             name = row.name
     except NotFound as exc:
         raise fail(exc.message, "`ledger apikey list` shows the ids") from None
-    finally:
-        engine.dispose()
     console.print(f"[yellow]revoked API key {name!r} ({key_id})[/yellow]")
 
 

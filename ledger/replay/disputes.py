@@ -120,8 +120,9 @@ def resolve(session: Session, dispute_id: str, *, resolution: str, note: str, ac
     if dispute.state == DisputeState.RESOLVED:
         if dispute.resolution == resolution:
             return dispute, False
-        raise Conflict(f"dispute is already resolved as {dispute.resolution}",
-                       code="already_resolved")
+        raise Conflict(f"dispute is already resolved as {dispute.resolution}; a resolution "
+                       "is final: to look at the record again, open a new dispute on it "
+                       "(POST /v1/disputes with its request_id)", code="already_resolved")
     if dispute.state != "verdict":
         raise Conflict(f"dispute is {dispute.state}; it can be resolved once it has a verdict",
                        code="no_verdict_yet")

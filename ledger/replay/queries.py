@@ -243,8 +243,8 @@ def policy_summary(p: ReverificationPolicy) -> dict[str, Any]:
             "model_sha256": p.model_sha256, "fingerprint_id": p.fingerprint_id,
             "channel": p.channel, "min_age_seconds": p.min_age_seconds,
             "max_age_seconds": p.max_age_seconds, "enabled": p.enabled,
-            "drift_alert_threshold": p.drift_alert_threshold, "created_by": p.created_by, "created_at": p.created_at,
-            "first_window_start": p.first_window_start}
+            "drift_alert_threshold": p.drift_alert_threshold, "created_by": p.created_by,
+            "created_at": p.created_at, "first_window_start": p.first_window_start}
 
 
 def list_policies(session: Session, *, limit: int, cursor: str | None

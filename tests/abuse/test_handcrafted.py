@@ -298,3 +298,16 @@ def test_chunked_60mb_envelope_is_413_without_being_read_whole(api: ApiServer) -
     assert sent < total // 2, sent
     assert snapshot(api) == before
     assert httpx.get(api.base_url + "/healthz").status_code == 200
+
+
+def test_a_newline_in_a_comment_gets_a_readable_message(api: ApiServer,
+                                                       stored: dict[str, Any]) -> None:
+    """Issue 13: a 422 that says what is wrong, not the regular expression it failed."""
+    with api.client("reviewer") as c:
+        r = c.post(f"/v1/disputes/{stored['dispute_id']}/comments",
+                   json={"text": "line one\nline two"})
+    assert r.status_code == 422, r.text
+    body = r.json()
+    assert body["detail"] == ("body.text: must be one line of text: no newlines, tabs or "
+                              "other control characters")
+    assert "\\x00" not in r.text and "^[" not in r.text

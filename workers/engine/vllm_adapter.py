@@ -268,7 +268,7 @@ def vllm_runtime(
 
     pin = vllm_plugin.pin_flags()
     serving = settings is None
-    if serving:     # no engine here: what a `vllm serve` with our plugin installed pins
+    if settings is None:  # no engine here: what a `vllm serve` with our plugin installed pins
         settings = {**SCHEDULER_DEFAULTS, **RESOLVED_DEFAULTS, "max_num_seqs": max_num_seqs}
         pin = vllm_plugin.expected_flags(vllm.__version__)
     return runtime_from(
