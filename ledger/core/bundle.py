@@ -31,9 +31,11 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import os
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -364,6 +366,13 @@ def _payload_ref(kind: str, payload: Any) -> str | None:
 
 
 ChunkResult = list[tuple[int, str, int]]
+#: Record lines per unit of parallel work, and the most bytes one unit holds.
+CHUNK_LINES = 2_000
+CHUNK_BYTES = 4 * 1024 * 1024
+#: Units of work in flight per worker process (what bounds memory with --processes N).
+IN_FLIGHT_PER_PROCESS = 2
+#: The most bytes one record line may hold: a longer line is refused, not buffered.
+MAX_LINE_BYTES = 64 * 1024 * 1024
 
 
 def verify_chunk(args: tuple[BundleHeader, list[tuple[int, bytes]]]) -> ChunkResult:
@@ -372,52 +381,207 @@ def verify_chunk(args: tuple[BundleHeader, list[tuple[int, bytes]]]) -> ChunkRes
     return [(*verify_record(line, n, header), n) for n, line in lines]
 
 
-def verify_lines(lines: Sequence[bytes], *, trust: TrustPolicy | None = None,
-                 pinned_log_keys: Sequence[NoteVerifier] | None = None,
-                 on_records: Callable[[int], None] | None = None,
-                 map_chunks: Callable[[Callable[[Any], ChunkResult], list[Any]],
-                                      Iterable[ChunkResult]] | None = None,
-                 chunk: int = 2_000) -> BundleSummary:
-    """Verify a whole bundle given its lines (without newlines). ``map_chunks`` (e.g. a
-    process pool's ``map``) spreads record verification; the default is sequential."""
-    if not lines:
+_WORKER_HEADER: BundleHeader | None = None
+
+
+def _init_worker(header: BundleHeader) -> None:
+    """Process-pool initializer: the opened header travels once per worker, not per chunk."""
+    global _WORKER_HEADER
+    _WORKER_HEADER = header
+
+
+def _verify_in_worker(lines: list[tuple[int, bytes]]) -> ChunkResult:
+    assert _WORKER_HEADER is not None, "worker not initialised"
+    return verify_chunk((_WORKER_HEADER, lines))
+
+
+class IndexSet:
+    """The log indices seen so far, as a bitmap over the checkpoint's tree size: a bundle
+    of any length costs tree_size / 8 bytes here, not a Python int per record. An index
+    outside the tree (refused by its inclusion proof before it gets here) falls back to a
+    set."""
+
+    def __init__(self, tree_size: int) -> None:
+        self.bits = bytearray((max(tree_size, 0) + 7) // 8)
+        self.other: set[int] = set()
+
+    def __contains__(self, index: object) -> bool:
+        if isinstance(index, int) and 0 <= index < len(self.bits) * 8:
+            return bool(self.bits[index >> 3] & (1 << (index & 7)))
+        return index in self.other
+
+    def add(self, index: int) -> None:
+        if 0 <= index < len(self.bits) * 8:
+            self.bits[index >> 3] |= 1 << (index & 7)
+        else:
+            self.other.add(index)
+
+
+def verify_stream(lines: Iterable[bytes], *, trust: TrustPolicy | None = None,
+                  pinned_log_keys: Sequence[NoteVerifier] | None = None,
+                  on_records: Callable[[int], None] | None = None,
+                  processes: int = 1, chunk: int = CHUNK_LINES,
+                  chunk_bytes: int = CHUNK_BYTES) -> BundleSummary:
+    """Verify a bundle given its lines (without newlines) one at a time, in memory bounded
+    by the chunk sizes and the number of processes, not by the bundle's length.
+
+    The header is opened first; the admin_event records (the key registry) are verified
+    in order in this process, since each may change which keys sign the rest; every other
+    record line is hashed into the manifest's digest here and verified in chunks, in this
+    process (``processes`` 1) or in a pool of ``processes`` worker processes with at most
+    :data:`IN_FLIGHT_PER_PROCESS` chunks per worker queued. Results are taken in bundle
+    order, so the first bad line reported is the same whatever ``processes`` is. Each
+    record carries its own inclusion proof against the header's checkpoint, so nothing
+    about one record needs another."""
+    it = iter(lines)
+    first_line = next(it, None)
+    if first_line is None:
         raise BundleError("the bundle is empty")
-    header = read_header(lines[0], pinned_log_keys, trust=trust)
+    header = read_header(first_line, pinned_log_keys, trust=trust)
     summary = start_summary(header)
-    seen: set[int] = set()
-    records = list(enumerate(lines[1:], start=2))
-    for n, line in records:
-        if not line.strip():
-            raise BundleError(f"line {n}: empty line")
-    first = 0
-    while first < len(records) and is_admin_event(records[first][1]):
-        n, line = records[first]
-        index, kind = add_admin_event(line, n, header)
-        add_record(summary, seen, index, kind, n)
-        first += 1
-    if on_records is not None and first:
-        on_records(first)
-    rest = records[first:]
-    chunks = [(header, rest[i:i + chunk]) for i in range(0, len(rest), chunk)]
-    for res in (map_chunks or map)(verify_chunk, chunks):
+    seen = IndexSet(header.checkpoint.size)
+    digest = hashlib.sha256()
+    pool: Any = None
+    in_flight: deque[Any] = deque()
+    batch: list[tuple[int, bytes]] = []
+    batch_bytes = 0
+
+    def take(res: ChunkResult) -> None:
         for index, kind, n in res:
             add_record(summary, seen, index, kind, n)
         if on_records is not None:
             on_records(len(res))
+
+    in_order = False  # set while a queued chunk's result is taken
+
+    def take_next() -> None:
+        nonlocal in_order
+        in_order = True
+        take(in_flight.popleft().result())
+        in_order = False
+
+    def flush() -> None:
+        nonlocal batch, batch_bytes, pool
+        if not batch:
+            return
+        if processes <= 1:
+            take(verify_chunk((header, batch)))
+        else:
+            if pool is None:
+                pool = _make_pool(processes, header)
+            while len(in_flight) >= processes * IN_FLIGHT_PER_PROCESS:
+                take_next()
+            in_flight.append(pool.submit(_verify_in_worker, batch))
+        batch, batch_bytes = [], 0
+
+    admin_phase, admins = True, 0
+    try:
+        for n, line in enumerate(it, start=2):
+            if not line.strip():
+                raise BundleError(f"line {n}: empty line")
+            digest.update(line)
+            digest.update(b"\n")
+            if admin_phase:
+                if is_admin_event(line):
+                    index, kind = add_admin_event(line, n, header)
+                    add_record(summary, seen, index, kind, n)
+                    admins += 1
+                    continue
+                admin_phase = False
+                if on_records is not None and admins:
+                    on_records(admins)
+            batch.append((n, line))
+            batch_bytes += len(line)
+            if len(batch) >= chunk or batch_bytes >= chunk_bytes:
+                flush()
+        if admin_phase and on_records is not None and admins:
+            on_records(admins)
+        flush()
+        while in_flight:
+            take_next()
+    except BundleError:
+        # A line this process refused comes after every chunk already queued: their
+        # failures are reported first, as one process would have (same result for any N).
+        if not in_order:
+            while in_flight:
+                take_next()
+        raise
+    finally:
+        if pool is not None:
+            for fut in in_flight:
+                fut.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)
     finish(summary, header)
-    if records_digest(lines[1:]) != header.records_sha256:
+    if digest.hexdigest() != header.records_sha256:
         raise BundleError("the records are not those the manifest signs (digest mismatch)")
     return summary
 
 
+def _make_pool(processes: int, header: BundleHeader) -> Any:
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    return ProcessPoolExecutor(processes, mp_context=mp.get_context(method),
+                               initializer=_init_worker, initargs=(header,))
+
+
+def verify_lines(lines: Sequence[bytes], *, trust: TrustPolicy | None = None,
+                 pinned_log_keys: Sequence[NoteVerifier] | None = None,
+                 on_records: Callable[[int], None] | None = None,
+                 processes: int = 1, chunk: int = CHUNK_LINES) -> BundleSummary:
+    """Verify a whole bundle given its lines (without newlines); see
+    :func:`verify_stream`."""
+    return verify_stream(lines, trust=trust, pinned_log_keys=pinned_log_keys,
+                         on_records=on_records, processes=processes, chunk=chunk)
+
+
 def verify_bundle(data: bytes, **kwargs: Any) -> BundleSummary:
-    """Verify a bundle file's bytes (what ``ledger verify`` does); see :func:`verify_lines`."""
-    lines = data.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    else:
+    """Verify a bundle's bytes held in memory; see :func:`verify_stream` (``ledger
+    verify`` reads the file with :func:`verify_file` instead)."""
+    if not data.endswith(b"\n"):
         raise BundleError("the bundle does not end with a newline (truncated?)")
+    lines = data.split(b"\n")
+    lines.pop()
     return verify_lines(lines, **kwargs)
+
+
+def iter_lines(fh: BinaryIO, block: int = 1024 * 1024) -> Iterator[bytes]:
+    """The lines of a bundle file without their newlines, read in blocks; the file must end
+    with a newline (checked as the last line is reached: see :func:`verify_file`)."""
+    rest = b""
+    while True:
+        data = fh.read(block)
+        if not data:
+            break
+        buf = rest + data if rest else data
+        start = 0
+        while True:
+            end = buf.find(b"\n", start)
+            if end < 0:
+                break
+            yield buf[start:end]
+            start = end + 1
+        rest = buf[start:]
+        if len(rest) > MAX_LINE_BYTES:
+            raise BundleError(f"a line of the bundle is longer than {MAX_LINE_BYTES} bytes")
+    if rest:
+        raise BundleError("the bundle does not end with a newline (truncated?)")
+
+
+def verify_file(path: str | os.PathLike[str], **kwargs: Any) -> BundleSummary:
+    """Verify a bundle file in constant memory (what ``ledger verify`` does): the same
+    checks and messages as :func:`verify_bundle` on the file's bytes. The newline at the
+    end is checked before anything else, as :func:`verify_bundle` does."""
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size == 0:
+            raise BundleError("the bundle does not end with a newline (truncated?)")
+        fh.seek(size - 1)
+        if fh.read(1) != b"\n":
+            raise BundleError("the bundle does not end with a newline (truncated?)")
+        fh.seek(0)
+        return verify_stream(iter_lines(fh), **kwargs)
 
 
 def start_summary(header: BundleHeader) -> BundleSummary:
@@ -428,7 +592,8 @@ def start_summary(header: BundleHeader) -> BundleSummary:
                          created_at=str(header.manifest.get("created_at")))
 
 
-def add_record(summary: BundleSummary, seen: set[int], index: int, kind: str, line_no: int) -> None:
+def add_record(summary: BundleSummary, seen: set[int] | IndexSet, index: int, kind: str,
+               line_no: int) -> None:
     if index in seen:
         raise BundleError(f"line {line_no}: log index {index} appears twice")
     seen.add(index)
