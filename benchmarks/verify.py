@@ -1,0 +1,291 @@
+"""`ledger verify` in constant memory (issue 17, acceptance 3).
+
+Builds bundles of N small signed envelopes (32-token-class statements of
+``tests.helpers.statement``, ~2 KB of DSSE each) offline: the same line format, inclusion
+proofs against one signed checkpoint and a manifest signed by a service key that
+``ledger export`` writes, but no database (a 200k-envelope log would take longer to ingest
+than to verify). Then, for each size, it runs ``ledger verify BUNDLE --processes P`` as a
+child process and reports:
+
+- peak RSS of the verifier: the largest RSS of the main process (``wait4``'s
+  ``ru_maxrss``) and the peak of the whole process tree (main + workers, summed, sampled
+  from /proc every 20 ms);
+- throughput: records / the seconds the verifier reports for reading and verifying (the
+  command's "time" row; interpreter and import start-up, ~0.5-1 s, excluded; the wall
+  time of the whole command is printed too);
+- the same-run per-record floor: Ed25519 verification of the record's PAE (OpenSSL via
+  ``cryptography``, what the verifier calls), SHA-256 of its DSSE bytes and an ``orjson``
+  parse of its line, timed on a sample of the bundle's records in this process on one
+  core; "floor on 2 cores" is twice that rate (perfect scaling: an upper bound);
+- with ``--baseline``, the in-memory verifier that preceded the streaming one (main at
+  7f03350, ``ledger/core/bundle.py`` loaded from git), its peak RSS and throughput.
+
+    python benchmarks/verify.py [--sizes 10000,50000,200000] [--processes 1,2] [--baseline]
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import machine, table  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+ORIGIN = "bench.example/verify"
+BASELINE_COMMIT = "7f03350"
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode()
+
+
+class Tree:
+    """Every full subtree's hash, level by level, so a proof is lookups, not rehashing."""
+
+    def __init__(self, leaves: list[bytes]) -> None:
+        from ledger.core.merkle import node_hash
+
+        self.size = len(leaves)
+        self.levels = [leaves]
+        while len(self.levels[-1]) > 1:
+            prev = self.levels[-1]
+            self.levels.append([node_hash(prev[i], prev[i + 1])
+                                for i in range(0, len(prev) - 1, 2)])
+        self.memo: dict[tuple[int, int], bytes] = {}
+
+    def hash(self, lo: int, hi: int) -> bytes:
+        from ledger.core.merkle import node_hash
+
+        width = hi - lo
+        if width & (width - 1) == 0 and lo % width == 0:
+            return self.levels[width.bit_length() - 1][lo // width]
+        found = self.memo.get((lo, hi))
+        if found is None:
+            k = 1 << ((width - 1).bit_length() - 1)
+            found = node_hash(self.hash(lo, lo + k), self.hash(lo + k, hi))
+            self.memo[(lo, hi)] = found
+        return found
+
+    def proof(self, index: int) -> list[bytes]:
+        from ledger.core.merkle import inclusion_proof_ranges
+
+        return [self.hash(lo, hi) for lo, hi in inclusion_proof_ranges(index, self.size)]
+
+
+def build_bundle(path: Path, n: int) -> None:
+    """A bundle of ``n`` envelope records (no admin events: the manifest's key table
+    vouches for the producer key, as an export without a trust policy is verified)."""
+    from ledger.core.bundle import FORMAT, header_bytes
+    from ledger.core.keys import generate_private_key, key_id, public_raw
+    from ledger.core.logentry import log_entry_bytes
+    from ledger.core.merkle import leaf_hash
+    from ledger.core.note import Checkpoint, format_verifier_key, sign_checkpoint
+    from ledger.core.statements import bundle_statement
+    from ledger.producer import sign_statement
+    from tests.helpers import statement
+
+    producer, service, log_key = (generate_private_key() for _ in range(3))
+    template = statement("req-template")
+    leaves: list[bytes] = []
+    with tempfile.TemporaryFile() as spool:
+        for i in range(n):
+            rid = f"req-{i:012d}"
+            st = {**template, "predicate": {**template["predicate"], "request_id": rid}}
+            d = sign_statement(st, producer).canonical_bytes()
+            leaves.append(leaf_hash(log_entry_bytes("envelope", rid,
+                                                    hashlib.sha256(d).hexdigest())))
+            spool.write(d + b"\n")
+        tree = Tree(leaves)
+        del leaves
+        root = tree.hash(0, n)
+        note = sign_checkpoint(Checkpoint(ORIGIN, n, root), ORIGIN, log_key)
+        digest = hashlib.sha256()
+        spool.seek(0)
+        body = path.with_suffix(".body")
+        with body.open("wb") as out:
+            for i, d in enumerate(spool):
+                line = (b'{"log_index":%d,"kind":"envelope","ref":"req-%012d","dsse":%s,'
+                        b'"inclusion_proof":[%s]}\n' % (
+                            i, i, d.rstrip(b"\n"),
+                            b",".join(b'"%s"' % base64.b64encode(h) for h in tree.proof(i))))
+                digest.update(line)
+                out.write(line)
+    pub = public_raw(producer)
+    manifest = {
+        "format": FORMAT, "origin": ORIGIN, "checkpoint": note.decode(),
+        "log_keys": [format_verifier_key(ORIGIN, log_key.public_key())],
+        "service_keys": [_b64(public_raw(service))],
+        "keys": [{"keyid": key_id(pub), "public_key": _b64(pub), "purpose": "producer",
+                  "name": "bench", "status": "active", "not_before": "2026-01-01T00:00:00Z",
+                  "not_after": None, "revoked_at": None}],
+        "selection": {"benchmark": "verify"}, "records": n,
+        "created_at": datetime.now(UTC).isoformat(),
+    }
+    env = sign_statement(bundle_statement(records_sha256=digest.hexdigest(),
+                                          predicate=manifest), service)
+    with path.open("wb") as out, body.open("rb") as src:
+        out.write(header_bytes(n, env) + b"\n")
+        while block := src.read(1 << 20):
+            out.write(block)
+    body.unlink()
+
+
+def floor_per_record(path: Path, sample: int = 3000) -> float:
+    """Seconds per record on one core: Ed25519 verify of the PAE + SHA-256 of the DSSE
+    bytes + orjson parse of the line, over the first ``sample`` records."""
+    import orjson
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    from ledger.core import dsse
+
+    with path.open("rb") as fh:
+        head = orjson.loads(fh.readline())
+        lines = [fh.readline().rstrip(b"\n") for _ in range(sample)]
+    lines = [x for x in lines if x]
+    pred = orjson.loads(base64.b64decode(head["manifest"]["payload"]))["predicate"]
+    pub = Ed25519PublicKey.from_public_bytes(base64.b64decode(pred["keys"][0]["public_key"]))
+    items = []
+    for line in lines:
+        env = dsse.envelope_from_obj(orjson.loads(line)["dsse"])
+        items.append((line, env.pae(), env.signatures[0].sig, env.canonical_bytes()))
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for line, pae, sig, dsse_bytes in items:
+            orjson.loads(line)
+            hashlib.sha256(dsse_bytes).digest()
+            pub.verify(sig, pae)
+        best = min(best, (time.perf_counter() - t0) / len(items))
+    return best
+
+
+def _tree_rss(pid: int) -> int:
+    """Sum of VmRSS (bytes) of ``pid`` and its descendants, from /proc."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as fh:
+                for line in fh:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+                        break
+            with open(f"/proc/{p}/task/{p}/children") as fh:
+                todo.extend(int(c) for c in fh.read().split())
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def measure(argv: Sequence[str]) -> tuple[float, float, int, int]:
+    """Run ``argv``; (wall seconds, seconds the command reports for verifying alone (its
+    last stdout line ``time: S``, or the verify table's time row), ru_maxrss bytes, peak
+    tree RSS bytes)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "200"})
+    peak = 0
+    while True:
+        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+        if pid:
+            break
+        peak = max(peak, _tree_rss(proc.pid))
+        time.sleep(0.02)
+    wall = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    text = proc.stdout.read().decode() if proc.stdout else ""
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(argv)} failed ({proc.returncode}): {err[-2000:]}")
+    found = re.search(r"time\s*│?\s*:?\s*([0-9.]+) s", text) or re.search(
+        r"^time: ([0-9.]+)", text, re.M)
+    inner = float(found.group(1)) if found else wall
+    return wall, inner, usage.ru_maxrss * 1024, max(peak, usage.ru_maxrss * 1024)
+
+
+BASELINE = """
+import importlib.util, multiprocessing as mp, sys
+from concurrent.futures import ProcessPoolExecutor
+import time
+t0 = time.perf_counter()
+spec = importlib.util.spec_from_file_location("old_bundle", sys.argv[1])
+mod = importlib.util.module_from_spec(spec); sys.modules["old_bundle"] = mod
+spec.loader.exec_module(mod)
+data = open(sys.argv[2], "rb").read()
+procs = int(sys.argv[3])
+if procs > 1:
+    with ProcessPoolExecutor(procs, mp_context=mp.get_context("fork")) as pool:
+        s = mod.verify_bundle(data, map_chunks=pool.map, chunk=2000)
+else:
+    s = mod.verify_bundle(data, chunk=2000)
+assert s.records > 0
+print(f"time: {time.perf_counter() - t0:.3f}")
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="10000,50000,200000")
+    ap.add_argument("--processes", default="1,2")
+    ap.add_argument("--baseline", action="store_true",
+                    help=f"also run the in-memory verifier of {BASELINE_COMMIT}")
+    ap.add_argument("--keep", help="directory to keep the bundles in")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    procs = [int(p) for p in args.processes.split(",")]
+    rows: list[list[Any]] = []
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(args.keep or tmpdir)
+        tmp.mkdir(parents=True, exist_ok=True)
+        old = tmp / "old_bundle.py"
+        if args.baseline:
+            old.write_bytes(subprocess.run(
+                ["git", "show", f"{BASELINE_COMMIT}:ledger/core/bundle.py"], cwd=REPO,
+                check=True, capture_output=True).stdout)
+        for n in sizes:
+            bundle = tmp / f"bundle-{n}.jsonl"
+            t0 = time.perf_counter()
+            if not bundle.exists():
+                build_bundle(bundle, n)
+            built = time.perf_counter() - t0
+            mb = bundle.stat().st_size / 1e6
+            floor = floor_per_record(bundle)
+            print(f"{n:,} envelopes: {mb:.0f} MB bundle, built in {built:.0f} s; floor "
+                  f"{floor * 1e6:.0f} us/record on one core", file=sys.stderr)
+            for p in procs:
+                runs = [("streaming `ledger verify`",
+                         [sys.executable, "-m", "ledger.cli.main", "verify", str(bundle),
+                          "--processes", str(p)])]
+                if args.baseline:
+                    runs.append((f"in-memory verifier ({BASELINE_COMMIT})",
+                                 [sys.executable, "-c", BASELINE, str(old), str(bundle),
+                                  str(p)]))
+                for label, argv in runs:
+                    wall, inner, main_rss, tree_rss = measure(argv)
+                    rate = n / inner
+                    floor_rate = min(p, os.cpu_count() or 1) / floor
+                    rows.append([f"{n:,}", f"{mb:.0f}", label, p, f"{main_rss / 1e6:.0f}",
+                                 f"{tree_rss / 1e6:.0f}", f"{wall:.1f}", f"{rate:,.0f}",
+                                 f"{floor_rate:,.0f}", f"{rate / floor_rate:.2f}"])
+                    print(" | ".join(str(c) for c in rows[-1]), file=sys.stderr)
+    print(f"\n{machine()}\n")
+    print(table(["envelopes", "bundle MB", "verifier", "processes", "peak RSS main MB",
+                 "peak RSS all processes MB", "wall s", "records/s", "floor records/s",
+                 "ratio to floor"], rows))
+
+
+if __name__ == "__main__":
+    main()
