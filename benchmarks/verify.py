@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import machine, table  # noqa: E402
+from benchmarks._common import machine, table
 
 REPO = Path(__file__).resolve().parent.parent
 ORIGIN = "bench.example/verify"
