@@ -542,6 +542,8 @@ def verify_lines(lines: Sequence[bytes], *, trust: TrustPolicy | None = None,
 def verify_bundle(data: bytes, **kwargs: Any) -> BundleSummary:
     """Verify a bundle's bytes held in memory; see :func:`verify_stream` (``ledger
     verify`` reads the file with :func:`verify_file` instead)."""
+    if not data:
+        raise BundleError("the bundle is empty")
     if not data.endswith(b"\n"):
         raise BundleError("the bundle does not end with a newline (truncated?)")
     lines = data.split(b"\n")
@@ -579,7 +581,7 @@ def verify_file(path: str | os.PathLike[str], **kwargs: Any) -> BundleSummary:
     with open(path, "rb") as fh:
         size = os.fstat(fh.fileno()).st_size
         if size == 0:
-            raise BundleError("the bundle does not end with a newline (truncated?)")
+            raise BundleError("the bundle is empty")
         fh.seek(size - 1)
         if fh.read(1) != b"\n":
             raise BundleError("the bundle does not end with a newline (truncated?)")

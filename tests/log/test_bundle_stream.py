@@ -1,0 +1,160 @@
+"""`ledger verify` reads a bundle as a stream (issue 17): a record line is read, hashed into
+the manifest's digest, verified and dropped, in chunks spread over worker processes. These
+tests pin that a bundle refused before is refused now with the same message, in one
+process or two, wherever in the stream the fault is, and that the result does not depend
+on the number of processes or the chunk size.
+
+Real PostgreSQL and a real `ledger export` (the fixture of test_bundle_whole); chunks of
+two records so that a fault sits in the middle of the stream, behind queued chunks."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import orjson
+import pytest
+
+from ledger.core.bundle import BundleError, BundleSummary, verify_bundle, verify_file
+from tests.log.test_bundle_whole import Exported, N, ledger, populate
+
+RECORDS = 3 + N  # three admin events (service key, log key, producer key), then envelopes
+NO_DB = {"LEDGER_DATABASE_URL": "postgresql+psycopg://x@127.0.0.1:1/x"}
+
+
+@pytest.fixture
+def bundle(db_url: str, tmp_path: Path) -> Iterator[Exported]:
+    from ledger.core.trust import load_trust_policy
+
+    env, producer, log = populate(db_url, tmp_path)
+    policy_file = tmp_path / "trust.toml"
+    assert ledger("trust", "init", "--out", str(policy_file), env=env).returncode == 0
+    out = tmp_path / "bundle.jsonl"
+    r = ledger("export", "--out", str(out), env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    yield Exported(db_url, tmp_path, env, out, policy_file, load_trust_policy(policy_file),
+                   producer, log)
+
+
+def refusals(path: Path, exported: Exported) -> list[str]:
+    """The message of every way of verifying ``path``: in memory, and streamed from the
+    file in one process and in two, in chunks of two records and of the default size."""
+    messages = []
+    for run in (lambda: verify_bundle(path.read_bytes(), trust=exported.policy),
+                lambda: verify_file(path, trust=exported.policy, processes=1, chunk=2),
+                lambda: verify_file(path, trust=exported.policy, processes=2, chunk=2),
+                lambda: verify_file(path, trust=exported.policy, processes=2)):
+        with pytest.raises(BundleError) as info:
+            run()
+        messages.append(info.value.message)
+    return messages
+
+
+def write(path: Path, lines: list[bytes]) -> Path:
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    return path
+
+
+def test_processes_and_chunks_give_the_same_summary(bundle: Exported) -> None:
+    summaries: list[BundleSummary] = [
+        verify_bundle(bundle.bundle.read_bytes(), trust=bundle.policy),
+        *(verify_file(bundle.bundle, trust=bundle.policy, processes=p, chunk=c)
+          for p in (1, 2) for c in (1, 2, 2000))]
+    first = dataclasses.asdict(summaries[0])
+    assert first["records"] == RECORDS
+    assert first["by_kind"] == {"admin_event": 3, "envelope": N}
+    assert all(dataclasses.asdict(s) == first for s in summaries[1:])
+    # and the command: --processes 1 and 2 print the same table but for the time row
+    outputs = []
+    for p in ("1", "2"):
+        r = ledger("verify", str(bundle.bundle), "--trust", str(bundle.policy_file),
+                   "--processes", p, env=NO_DB)
+        assert r.returncode == 0, r.stdout + r.stderr
+        outputs.append([line for line in r.stdout.splitlines() if "│ time " not in line
+                        and not re.search(r"\btime\b.*/s\)", line)])
+    assert outputs[0] == outputs[1]
+    assert any(re.search(rf"envelope records verified\s*│\s*{N}\s", x) for x in outputs[0])
+
+
+def test_a_tampered_record_in_the_middle_is_refused_the_same_way(bundle: Exported) -> None:
+    lines = bundle.bundle.read_bytes().split(b"\n")[:-1]
+    middle = 1 + 3 + N // 2  # an envelope line, chunks before and after it
+    rec = orjson.loads(lines[middle])
+    payload = rec["dsse"]["payload"]
+    rec["dsse"]["payload"] = ("B" if payload[0] != "B" else "C") + payload[1:]
+    tampered = write(bundle.tmp / "tampered.jsonl",
+                     [*lines[:middle], orjson.dumps(rec), *lines[middle + 1:]])
+    messages = refusals(tampered, bundle)
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith(f"line {middle + 1} (log index {rec['log_index']}, "
+                                  f"envelope {rec['ref']}): "), messages[0]
+    assert "signature does not verify" in messages[0], messages[0]
+    # the same record spelled otherwise (whitespace) verifies on its own but is not the
+    # bytes the manifest signs
+    rec = orjson.loads(lines[middle])
+    respelled = write(bundle.tmp / "respelled.jsonl",
+                      [*lines[:middle], orjson.dumps(rec, option=orjson.OPT_INDENT_2)
+                       .replace(b"\n", b""), *lines[middle + 1:]])
+    assert set(refusals(respelled, bundle)) == {
+        "the records are not those the manifest signs (digest mismatch)"}
+
+
+def test_a_truncated_bundle_is_refused_the_same_way(bundle: Exported) -> None:
+    data = bundle.bundle.read_bytes()
+    cut = bundle.tmp / "cut.jsonl"
+    cut.write_bytes(data[:len(data) // 2])  # mid-line
+    assert set(refusals(cut, bundle)) == {
+        "the bundle does not end with a newline (truncated?)"}
+    lines = data.split(b"\n")[:-1]
+    short = write(bundle.tmp / "short.jsonl", lines[:-3])  # at a line boundary
+    assert set(refusals(short, bundle)) == {
+        f"the header announces {RECORDS} records, the bundle holds {RECORDS - 3}"}
+    empty = bundle.tmp / "empty.jsonl"
+    empty.write_bytes(b"")
+    assert set(refusals(empty, bundle)) == {"the bundle is empty"}
+    blank = write(bundle.tmp / "blank.jsonl", [*lines[:8], b"", *lines[8:]])
+    assert set(refusals(blank, bundle)) == {"line 9: empty line"}
+
+
+def test_a_reordered_bundle_is_refused_the_same_way(bundle: Exported) -> None:
+    lines = bundle.bundle.read_bytes().split(b"\n")[:-1]
+    a, b = 5, 5 + N // 2  # two envelope lines in different chunks
+    swapped = write(bundle.tmp / "swapped.jsonl",
+                    [*lines[:a], lines[b], *lines[a + 1:b], lines[a], *lines[b + 1:]])
+    assert set(refusals(swapped, bundle)) == {
+        "the records are not those the manifest signs (digest mismatch)"}
+    # an admin event moved behind the envelopes: the producer key it registers is then
+    # not vouched for when the first envelope is checked
+    moved = write(bundle.tmp / "moved.jsonl", [lines[0], lines[1], lines[2], *lines[4:],
+                                               lines[3]])
+    messages = refusals(moved, bundle)
+    assert len(set(messages)) == 1, messages
+    assert re.fullmatch(r"line 4 \(log index \d+, envelope [^)]+\): signing key \S+ is not "
+                        r"vouched for in the bundle", messages[0]), messages[0]
+    duplicated = write(bundle.tmp / "twice.jsonl", [*lines[:7], lines[6], *lines[7:]])
+    messages = refusals(duplicated, bundle)
+    index = orjson.loads(lines[6])["log_index"]
+    assert set(messages) == {f"line 8: log index {index} appears twice"}, messages
+
+
+def test_a_bundle_whose_manifest_does_not_match_is_refused_the_same_way(
+        bundle: Exported) -> None:
+    lines = bundle.bundle.read_bytes().split(b"\n")[:-1]
+    # the header of another export of the same log (one request, signed by the same
+    # service key) over these records
+    rid = orjson.loads(lines[-1])["ref"]
+    other = bundle.tmp / "one.jsonl"
+    r = ledger("export", "--out", str(other), "--request-id", rid, env=bundle.env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    other_lines = other.read_bytes().split(b"\n")[:-1]
+    mixed = write(bundle.tmp / "mixed.jsonl", [other_lines[0], *lines[1:]])
+    assert set(refusals(mixed, bundle)) == {
+        f"the header announces {len(other_lines) - 1} records, the bundle holds {RECORDS}"}
+    # same count, other records: one envelope of this bundle replaced by the other
+    # export's copy of another envelope is caught by the digest only
+    replaced = write(bundle.tmp / "replaced.jsonl",
+                     [other_lines[0], *other_lines[1:-1], lines[5]])
+    assert set(refusals(replaced, bundle)) == {
+        "the records are not those the manifest signs (digest mismatch)"}
