@@ -467,15 +467,15 @@ def verify_stream(lines: Iterable[bytes], *, trust: TrustPolicy | None = None,
         nonlocal batch, batch_bytes, pool
         if not batch:
             return
+        todo, batch, batch_bytes = batch, [], 0
         if processes <= 1:
-            take(verify_chunk((header, batch)))
+            take(verify_chunk((header, todo)))
         else:
             if pool is None:
                 pool = _make_pool(processes, header)
             while len(in_flight) >= processes * IN_FLIGHT_PER_PROCESS:
                 take_next()
-            in_flight.append(pool.submit(_verify_in_worker, batch))
-        batch, batch_bytes = [], 0
+            in_flight.append(pool.submit(_verify_in_worker, todo))
 
     admin_phase, admins = True, 0
     try:
@@ -503,11 +503,14 @@ def verify_stream(lines: Iterable[bytes], *, trust: TrustPolicy | None = None,
         while in_flight:
             take_next()
     except BundleError:
-        # A line this process refused comes after every chunk already queued: their
-        # failures are reported first, as one process would have (same result for any N).
+        # A line this process refused (while reading) comes after every line queued or
+        # batched before it: their failures are reported first, so the first fault in
+        # bundle order is the one named, whatever the processes and the chunk size.
         if not in_order:
             while in_flight:
                 take_next()
+            todo, batch = batch, []
+            take(verify_chunk((header, todo)))
         raise
     finally:
         if pool is not None:

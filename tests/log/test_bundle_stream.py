@@ -91,6 +91,13 @@ def test_a_tampered_record_in_the_middle_is_refused_the_same_way(bundle: Exporte
     assert messages[0].startswith(f"line {middle + 1} (log index {rec['log_index']}, "
                                   f"envelope {rec['ref']}): "), messages[0]
     assert "signature does not verify" in messages[0], messages[0]
+    # a second fault further on, one found while reading (an empty line): the first
+    # fault in bundle order is reported, whatever the chunks queued or batched. (The
+    # in-memory verifier before issue 17 looked for empty lines before anything else and
+    # named line 16 here; each fault alone gets the message it gave.)
+    both = write(bundle.tmp / "both.jsonl",
+                 [*lines[:middle], orjson.dumps(rec), *lines[middle + 1:-1], b"", lines[-1]])
+    assert refusals(both, bundle) == messages
     # the same record spelled otherwise (whitespace) verifies on its own but is not the
     # bytes the manifest signs
     rec = orjson.loads(lines[middle])
