@@ -21,6 +21,7 @@ child process and reports:
   7f03350, ``ledger/core/bundle.py`` loaded from git), its peak RSS and throughput.
 
     python benchmarks/verify.py [--sizes 10000,50000,200000] [--processes 1,2] [--baseline]
+                                [--tokens 8/4]
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class Tree:
         return [self.hash(lo, hi) for lo, hi in inclusion_proof_ranges(index, self.size)]
 
 
-def build_bundle(path: Path, n: int) -> None:
+def build_bundle(path: Path, n: int, prompt_len: int = 8, output_len: int = 4) -> None:
     """A bundle of ``n`` envelope records (no admin events: the manifest's key table
     vouches for the producer key, as an export without a trust policy is verified)."""
     from ledger.core.bundle import FORMAT, header_bytes
@@ -98,7 +99,7 @@ def build_bundle(path: Path, n: int) -> None:
     from tests.helpers import statement
 
     producer, service, log_key = (generate_private_key() for _ in range(3))
-    template = statement("req-template")
+    template = statement("req-template", prompt_len=prompt_len, output_len=output_len)
     leaves: list[bytes] = []
     with tempfile.TemporaryFile() as spool:
         for i in range(n):
@@ -263,9 +264,13 @@ def main() -> None:
     ap.add_argument("--baseline", action="store_true",
                     help=f"also run the in-memory verifier of {BASELINE_COMMIT}")
     ap.add_argument("--keep", help="directory to keep the bundles in")
+    ap.add_argument("--tokens", default="8/4",
+                    help="prompt/output tokens per envelope (512/128: the 18 KB envelopes "
+                         "of benchmarks/log.py)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     procs = [int(p) for p in args.processes.split(",")]
+    prompt_len, output_len = (int(x) for x in args.tokens.split("/"))
     rows: list[list[Any]] = []
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(args.keep or tmpdir)
@@ -276,10 +281,10 @@ def main() -> None:
                 ["git", "show", f"{BASELINE_COMMIT}:ledger/core/bundle.py"], cwd=REPO,
                 check=True, capture_output=True).stdout)
         for n in sizes:
-            bundle = tmp / f"bundle-{n}.jsonl"
+            bundle = tmp / f"bundle-{n}-{prompt_len}-{output_len}.jsonl"
             t0 = time.perf_counter()
             if not bundle.exists():
-                build_bundle(bundle, n)
+                build_bundle(bundle, n, prompt_len, output_len)
             built = time.perf_counter() - t0
             mb = bundle.stat().st_size / 1e6
             print(f"{n:,} envelopes: {mb:.0f} MB bundle, built in {built:.0f} s",
