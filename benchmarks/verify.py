@@ -1,7 +1,8 @@
 """`ledger verify` in constant memory (issue 17, acceptance 3).
 
-Builds bundles of N small signed envelopes (32-token-class statements of
-``tests.helpers.statement``, ~2 KB of DSSE each) offline: the same line format, inclusion
+Builds bundles of N small signed envelopes (``tests.helpers.statement`` with 8 prompt and
+4 output tokens, ~2.8 KB per record line; ``--tokens 512/128`` gives the 18 KB envelopes
+of benchmarks/log.py) offline: the same line format, inclusion
 proofs against one signed checkpoint and a manifest signed by a service key that
 ``ledger export`` writes, but no database (a 200k-envelope log would take longer to ingest
 than to verify). Then, for each size, it runs ``ledger verify BUNDLE --processes P`` as a
