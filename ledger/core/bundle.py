@@ -374,8 +374,9 @@ CHUNK_LINES = 2_000
 CHUNK_BYTES = 4 * 1024 * 1024
 #: Units of work in flight per worker process (what bounds memory with --processes N).
 IN_FLIGHT_PER_PROCESS = 2
-#: The most bytes one record line may hold: a longer line is refused, not buffered.
-MAX_LINE_BYTES = 64 * 1024 * 1024
+#: The most bytes one line may hold: a longer one is refused, not buffered (a record is
+#: an envelope of at most ``max_envelope_bytes``, 4 MB by default, and its proof).
+MAX_LINE_BYTES = 1024 * 1024 * 1024
 
 
 def verify_chunk(args: tuple[BundleHeader, list[tuple[int, bytes]]]) -> ChunkResult:
