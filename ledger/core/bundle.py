@@ -24,6 +24,11 @@ admin_event record of the bundle registers it. For every record it checks the DS
 signatures, rebuilds the log entry from the DSSE bytes and checks its inclusion proof
 against the checkpoint's root. Any failure raises :class:`BundleError` naming the line,
 the log index and what is wrong.
+
+Verification is one pass (:func:`verify_stream`; :func:`verify_file` for ``ledger
+verify``): the header first, then each line hashed into the manifest's digest, verified
+on its own and dropped, in chunks that worker processes may share; memory does not grow
+with the bundle.
 """
 
 from __future__ import annotations
