@@ -380,9 +380,9 @@ def _rows(conn: Any, name: str, query: str) -> Iterator[tuple[Any, ...]]:
 
 
 def _entry_stream(conn: Any, start: int = 0) -> Iterator[tuple[Any, ...]]:
-    return _rows(conn, "audit_entries",
-                 "SELECT idx, kind, ref, entry, leaf_hash FROM log_entries "
-                 f"WHERE idx >= {int(start)} ORDER BY idx")
+    where = f"WHERE idx >= {int(start)}"
+    query = f"SELECT idx, kind, ref, entry, leaf_hash FROM log_entries {where} ORDER BY idx"  # noqa: S608
+    return _rows(conn, "audit_entries", query)
 
 
 def _record_stream(conn: Any, spec: LeafKind, start: int = 0) -> Iterator[tuple[Any, ...]]:
@@ -442,9 +442,10 @@ def audit(engine: Engine, origin: str, *, against: Iterable[tuple[str, bytes]] =
           workers: int = 0, since: bytes | None = None) -> AuditReport:
     """Audit the whole log, or with ``since`` what was added after a checkpoint audited
     before (:func:`_check_stored_tree` says what that checks). With ``trust``, checkpoints
-    (stored and saved) count only when signed by one of ``trust.log_keys`` and dispute events only when signed by one of
-    ``trust.service_keys`` (or, for the events a worker signs, by a worker key); producer
-    and worker keys only when registry leaves signed by a policy service key vouch for them
+    (stored and saved) count only when signed by one of ``trust.log_keys`` and dispute
+    events only when signed by one of ``trust.service_keys`` (or, for the events a worker
+    signs, by a worker key); producer and worker keys only when registry leaves signed by a
+    policy service key vouch for them
     (and every key or API-key row without its leaf is reported); stored cosignatures must
     verify under the policy's witness keys and reach its quorum.
 
