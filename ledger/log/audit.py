@@ -905,9 +905,9 @@ def _check_served_consistency(report: AuditReport, old: _Checkpoint, new: _Check
 
 def _fold_old_trails(conn: Any, start: int, ctx: _Context) -> None:
     """``--since``: the signed events before ``start`` of every dispute with an event from
-    ``start`` on, folded first, so that the new events and those disputes' rows are checked
-    against the whole trail (the old events' bytes are not checked against their entries
-    here: that is the full audit's)."""
+    ``start`` on, folded first, and the old verdicts their trails name, so that the new
+    events and those disputes' rows are checked against the whole trail (the old records'
+    bytes are not checked against their entries here: that is the full audit's)."""
     with conn.cursor() as cur:
         if not _table_exists(cur, "dispute_events"):
             return
@@ -926,3 +926,15 @@ def _fold_old_trails(conn: Any, start: int, ctx: _Context) -> None:
                 ctx.subjects.append((idx, f"dispute {did}", None, signed["request_id"],
                                      signed["envelope_dsse_sha256"]))
             trail.add(signed, idx)
+        # the verdicts before ``start`` that those trails name (their outcome is checked)
+        named = [t.verdict_id for t in ctx.trails.values() if t.verdict_id is not None]
+        if not named or not _table_exists(cur, "verdicts"):
+            return
+        cur.execute("SELECT log_index, dsse FROM verdicts WHERE log_index < %s AND "
+                    "verdict_id = ANY(%s)", (start, named))
+        for idx, dsse_bytes in cur.fetchall():
+            try:
+                verdict = views.verdict_view(bytes(dsse_bytes))
+            except LedgerError:
+                continue
+            ctx.verdicts.setdefault(verdict["verdict_id"], (idx, verdict["outcome"]))
