@@ -516,10 +516,11 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
             sequenced = int(cur.fetchone()[0])
             cur.execute("SELECT size, root_hash FROM log_tree WHERE id = 1")
             tree_row = cur.fetchone()
-            cur.execute("SELECT level, idx, data FROM tiles")
-            stored_tiles = {(r[0], r[1]): bytes(r[2]) for r in cur.fetchall()}
             present = [k for k in kinds if _table_exists(cur, k.table)]
             has_disputes = _table_exists(cur, "disputes")
+        with conn.cursor(binary=True) as bcur:  # 32 MiB of tiles per 1M entries, not hex
+            bcur.execute("SELECT level, idx, data FROM tiles")
+            stored_tiles = {(r[0], r[1]): bytes(r[2]) for r in bcur.fetchall()}
         by_kind = {k.kind: k for k in present}
         absent_kinds = {k.kind for k in LEAF_KINDS} - set(by_kind)
         saved = []
