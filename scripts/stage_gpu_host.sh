@@ -2,7 +2,7 @@
 # Stage the ledger's own stack for an offline GPU host (python 3.12, x86_64) next to vLLM:
 # what `ledger serve` (embedded PostgreSQL), `ledger proxy`, the replay worker, pytest and
 # `vllm serve` import that neither the host image nor ../shared/gpu/stage_vllm.sh's wheels
-# provide. Writes .gpu/wheels/ and .gpu/install.sh (ignored by git; one transfer, ~40 MB).
+# provide (httpcore2 and truststore: openai 3.57's httpx2 needs them, stage_vllm.sh omits them). Writes .gpu/wheels/ and .gpu/install.sh (ignored by git; one transfer, ~40 MB).
 # On the host, from the project root: bash .gpu/install.sh  (installs into /root/site, the
 # target install_vllm_offline.sh uses; PYTHONPATH=/root/site:$PWD). Used by
 # scripts/vllm_e2e.py's GPU run (README, "Recording from vLLM").
@@ -20,7 +20,7 @@ pins=$("$PY" -m pip freeze 2>/dev/null | grep -iE '^(sqlalchemy|alembic|psycopg|
 "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   "${PLAT[@]}" -d .gpu/wheels $pins rfc8785 \
   aiohttp uvloop model-hosting-container-standards jmespath python-multipart py-cpuinfo \
-  cloudpickle "pydantic==2.14.4" "fastapi==0.136.3" "starlette==1.10.0"
+  cloudpickle httpcore2 truststore "pydantic==2.14.4" "fastapi==0.136.3" "starlette==1.10.0"
 # the host image's own (never shadowed); pydantic, fastapi and starlette at the versions
 # stage_vllm.sh stages, so the ledger runs before vLLM is installed
 for skip in \

