@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from ledger.core.cosignature import append_signature_lines
 from ledger.core.keys import generate_private_key
 from ledger.core.merkle import leaf_hash
 from ledger.core.tiles import MemoryTileStore, integrate, tiles_for_size
-from ledger.db.session import make_engine
+from ledger.db.session import make_engine, session_scope
 from ledger.log.audit import (
     AuditReport,
     SinceCheckpointError,
@@ -29,6 +30,7 @@ from ledger.log.audit import (
     audit,
 )
 from ledger.log.signer import LogSigner
+from ledger.log.witnessing import stored_cosignature_lines
 from tests.tamper.conftest import ORIGIN, Built, superuser
 from tests.tamper.test_tamper import (
     _cli,
@@ -80,6 +82,28 @@ def test_clean_log_passes_from_a_saved_checkpoint(built: Built, copy_url: str,
         assert report.signatures_checked == report.entries
     latest = _audit(built, copy_url, _note(built, len(built.entries)), mode)
     assert latest.ok and latest.entries == 0, latest.problems
+
+
+def test_cosigned_note_and_saved_checkpoints(built: Built, copy_url: str) -> None:
+    """The note as an export carries it (with the witness's cosignature line) is accepted,
+    and --against checkpoints before the --since one are checked against the stored tree
+    it verified."""
+    m = _since(built)
+    engine = make_engine(url=copy_url, pool_size=1)
+    try:
+        with session_scope(engine) as s:
+            note = append_signature_lines(_note(built, m), stored_cosignature_lines(s, m))
+        assert note != _note(built, m)
+        report = audit(engine, ORIGIN, since=note, trust=built.trust, against=built.saved())
+        # a saved checkpoint before m that the log does not reach with that root
+        other = ("elsewhere", built.log_signer.sign(5, hashlib.sha256(b"other").digest()))
+        bad = audit(engine, ORIGIN, since=note, trust=built.trust, against=[other])
+    finally:
+        engine.dispose()
+    assert report.ok, report.problems
+    assert report.saved_checkpoints >= len(built.saved())
+    assert not bad.ok and any("saved checkpoint elsewhere (size 5) disagrees" in p
+                              for p in bad.problems), bad.problems
 
 
 def test_tamper_after_the_checkpoint_is_detected(built: Built, copy_url: str) -> None:
