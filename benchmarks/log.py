@@ -17,6 +17,11 @@ The end-to-end ingest figure with integration on is `benchmarks/ingest.py --inte
 
     python benchmarks/log.py [--entries 1000000] [--samples 2000] [--bundle 5000]
                              [--audit-entries 1000000] [--only-audit] [--audit-db NAME]
+                             [--audit-since 10000] [--only-incremental]
+
+5. with ``--audit-since ADD`` (or ``--only-incremental``, ADD default 10,000): the full
+   audit of a log of ``--audit-entries`` + ADD entries next to ``ledger audit --since``
+   the checkpoint at ``--audit-entries``, same run (the acceptance: < 5%).
 
 ``--audit-db NAME`` keeps the audit's log in database NAME (built on the first run, reused
 by later runs with the same ``--audit-entries``: building 1,000,000 signed entries takes
@@ -69,6 +74,13 @@ BLOCK = 50  # entries per block: 44 envelopes, 5 dispute events and one verdict
 def build_audit_log(url: str, n: int) -> tuple[Any, Any]:
     """n entries of real signed records of every kind, written with COPY (the way ingest
     writes envelopes), then integrated; returns (engine, log signer)."""
+    engine, signer, _ = _build_audit_log(url, n)
+    return engine, signer
+
+
+def _build_audit_log(url: str, n: int, add: int = 0) -> tuple[Any, Any, Any]:
+    """:func:`build_audit_log`, then ``add`` more entries of the same kinds appended and
+    integrated; the third item appends more: ``append(count)``."""
     import uuid
     from datetime import UTC, datetime
 
@@ -105,92 +117,109 @@ def build_audit_log(url: str, n: int) -> tuple[Any, Any]:
     with psycopg.connect(pg_url) as conn:
         conn.execute("INSERT INTO replay_jobs (id, fingerprint_id, kind, state) "
                      "VALUES (%s, %s, 'dispute', 'done')", (job_id, fixed.fingerprint_id))
-        idx = 0
-        while idx < n:
-            entries, envs, disputes, verdicts, events = [], [], [], [], []
-            for _ in range(min(200, -(-(n - idx) // BLOCK))):
-                block_start = idx
-                for _ in range(min(BLOCK - 6, n - idx)):
-                    rid = f"req-{idx:012d}"
-                    st = statement(rid)
-                    d = sign(st, producer)
-                    digest = hashlib.sha256(d)
-                    entries.append((idx, "envelope", rid,
-                                    log_entry_bytes("envelope", rid, digest.hexdigest())))
-                    envs.append((idx, rid, d, digest.digest(), [key_id(public_raw(producer))],
-                                 fixed.model_sha256, fixed.model_name, fixed.fingerprint_id,
-                                 fixed.channel, fixed.tier,
-                                 datetime.fromisoformat(st["predicate"]["recorded_at"]),
-                                 fixed.prompt_tokens, fixed.output_tokens))
-                    idx += 1
-                if n - idx < 6:
-                    continue
-                disputed = envs[-(idx - block_start)]
-                rid, env_index, env_digest = disputed[1], disputed[0], disputed[3].hex()
-                did = uuid.uuid4()
-                vid = f"verdict-{job_id}-{env_index}"
-                now = datetime.now(UTC)
-                trail = [("opened", service, {"reason": "bench", "priority": "normal"}),
-                         ("queued", service, {"job_id": str(job_id), "state": "queued"}),
-                         ("replaying", worker, {"job_id": str(job_id), "attempt": 1,
-                                                "state": "replaying"}),
-                         ("verdict", worker, {"verdict_id": vid, "outcome": "reproduced",
-                                              "tier": "bitwise", "verdict_log_index": idx + 3,
-                                              "state": "verdict"}),
-                         ("resolved", service, {"resolution": "rejected", "note": "ok",
-                                                "state": "resolved"})]
-                for seq, (kind, key, body) in enumerate(trail, start=1):
-                    if kind == "verdict":
-                        details = {"job_id": str(job_id), "tier": "bitwise", "reason": None,
-                                   "worker": {"worker_id": "bench-worker",
-                                              "fingerprint_id": fixed.fingerprint_id}}
-                        vd = sign(verdict_statement(
-                            verdict_id=vid, request_id=rid, envelope_index=env_index,
-                            envelope_dsse_sha256=env_digest, outcome="reproduced",
-                            details=details), worker)
-                        entries.append((idx, "verdict", vid, log_entry_bytes(
-                            "verdict", vid, hashlib.sha256(vd).hexdigest())))
-                        verdicts.append((idx, vid, job_id, env_index, rid, "reproduced",
-                                         "bitwise", "bench-worker", fixed.fingerprint_id,
-                                         Jsonb(details), vd))
-                        idx += 1
-                    eid = f"dispute-{did}-{seq}"
-                    actor = "bench-worker" if key is worker else "ledger"
-                    ed = sign(event_statement(
-                        event_id=eid, dispute_id=str(did), seq=seq, kind=kind, actor=actor,
-                        at=now.isoformat(), request_id=rid, envelope_dsse_sha256=env_digest,
-                        body=body), key)
-                    entries.append((idx, "dispute_event", eid, log_entry_bytes(
-                        "dispute_event", eid, hashlib.sha256(ed).hexdigest())))
-                    events.append((idx, eid, did, seq, kind, actor, Jsonb(body), now, ed))
-                    idx += 1
-                disputes.append((did, rid, env_index, fixed.fingerprint_id, "bench", "resolved",
-                                 "reviewer", vid, "rejected", "ok", "ledger", now))
-            with conn.cursor() as cur:
-                for sql, rows in (
-                        ("COPY log_entries (idx, kind, ref, entry, leaf_hash) FROM STDIN",
-                         [(*e, leaf_hash(e[3])) for e in entries]),
-                        ("COPY envelopes (log_index, request_id, dsse, dsse_sha256, keyids, "
-                         "model_sha256, model_name, fingerprint_id, channel, tier, recorded_at, "
-                         "prompt_tokens, output_tokens) FROM STDIN", envs),
-                        ("COPY disputes (id, request_id, envelope_index, fingerprint_id, reason, "
-                         "state, opened_by, verdict_id, resolution, resolution_note, "
-                         "resolved_by, resolved_at) FROM STDIN", disputes),
-                        ("COPY verdicts (log_index, verdict_id, job_id, envelope_index, "
-                         "request_id, outcome, tier, worker_id, fingerprint_id, details, dsse) "
-                         "FROM STDIN", verdicts),
-                        ("COPY dispute_events (log_index, event_id, dispute_id, seq, kind, actor, "
-                         "body, at, dsse) FROM STDIN", events)):
-                    with cur.copy(sql) as copy:
-                        for row in rows:
-                            copy.write_row(row)
-            conn.commit()
-            print(f"\r  built {idx:,} / {n:,} entries", end="", flush=True)
-        conn.execute("UPDATE log_state SET size = %s", (n,))
         conn.commit()
-    print()
-    integrate_all(engine, signer, max_entries=20_000)
-    return engine, signer
+
+    def append(start: int, n: int) -> None:
+        with psycopg.connect(pg_url) as conn:
+            idx = start
+            while idx < n:
+                entries, envs, disputes, verdicts, events = [], [], [], [], []
+                for _ in range(min(200, -(-(n - idx) // BLOCK))):
+                    block_start = idx
+                    for _ in range(min(BLOCK - 6, n - idx)):
+                        rid = f"req-{idx:012d}"
+                        st = statement(rid)
+                        d = sign(st, producer)
+                        digest = hashlib.sha256(d)
+                        entries.append((idx, "envelope", rid,
+                                        log_entry_bytes("envelope", rid, digest.hexdigest())))
+                        envs.append((idx, rid, d, digest.digest(), [key_id(public_raw(producer))],
+                                     fixed.model_sha256, fixed.model_name, fixed.fingerprint_id,
+                                     fixed.channel, fixed.tier,
+                                     datetime.fromisoformat(st["predicate"]["recorded_at"]),
+                                     fixed.prompt_tokens, fixed.output_tokens))
+                        idx += 1
+                    if n - idx < 6:
+                        continue
+                    disputed = envs[-(idx - block_start)]
+                    rid, env_index, env_digest = disputed[1], disputed[0], disputed[3].hex()
+                    did = uuid.uuid4()
+                    vid = f"verdict-{job_id}-{env_index}"
+                    now = datetime.now(UTC)
+                    trail = [("opened", service, {"reason": "bench", "priority": "normal"}),
+                             ("queued", service, {"job_id": str(job_id), "state": "queued"}),
+                             ("replaying", worker, {"job_id": str(job_id), "attempt": 1,
+                                                    "state": "replaying"}),
+                             ("verdict", worker, {"verdict_id": vid, "outcome": "reproduced",
+                                                  "tier": "bitwise", "verdict_log_index": idx + 3,
+                                                  "state": "verdict"}),
+                             ("resolved", service, {"resolution": "rejected", "note": "ok",
+                                                    "state": "resolved"})]
+                    for seq, (kind, key, body) in enumerate(trail, start=1):
+                        if kind == "verdict":
+                            details = {"job_id": str(job_id), "tier": "bitwise", "reason": None,
+                                       "worker": {"worker_id": "bench-worker",
+                                                  "fingerprint_id": fixed.fingerprint_id}}
+                            vd = sign(verdict_statement(
+                                verdict_id=vid, request_id=rid, envelope_index=env_index,
+                                envelope_dsse_sha256=env_digest, outcome="reproduced",
+                                details=details), worker)
+                            entries.append((idx, "verdict", vid, log_entry_bytes(
+                                "verdict", vid, hashlib.sha256(vd).hexdigest())))
+                            verdicts.append((idx, vid, job_id, env_index, rid, "reproduced",
+                                             "bitwise", "bench-worker", fixed.fingerprint_id,
+                                             Jsonb(details), vd))
+                            idx += 1
+                        eid = f"dispute-{did}-{seq}"
+                        actor = "bench-worker" if key is worker else "ledger"
+                        ed = sign(event_statement(
+                            event_id=eid, dispute_id=str(did), seq=seq, kind=kind, actor=actor,
+                            at=now.isoformat(), request_id=rid, envelope_dsse_sha256=env_digest,
+                            body=body), key)
+                        entries.append((idx, "dispute_event", eid, log_entry_bytes(
+                            "dispute_event", eid, hashlib.sha256(ed).hexdigest())))
+                        events.append((idx, eid, did, seq, kind, actor, Jsonb(body), now, ed))
+                        idx += 1
+                    disputes.append((did, rid, env_index, fixed.fingerprint_id, "bench", "resolved",
+                                     "reviewer", vid, "rejected", "ok", "ledger", now))
+                with conn.cursor() as cur:
+                    for sql, rows in (
+                            ("COPY log_entries (idx, kind, ref, entry, leaf_hash) FROM STDIN",
+                             [(*e, leaf_hash(e[3])) for e in entries]),
+                            ("COPY envelopes (log_index, request_id, dsse, dsse_sha256, keyids, "
+                             "model_sha256, model_name, fingerprint_id, channel, tier, "
+                             "recorded_at, "
+                             "prompt_tokens, output_tokens) FROM STDIN", envs),
+                            ("COPY disputes (id, request_id, envelope_index, fingerprint_id, "
+                             "reason, "
+                             "state, opened_by, verdict_id, resolution, resolution_note, "
+                             "resolved_by, resolved_at) FROM STDIN", disputes),
+                            ("COPY verdicts (log_index, verdict_id, job_id, envelope_index, "
+                             "request_id, outcome, tier, worker_id, fingerprint_id, details, dsse) "
+                             "FROM STDIN", verdicts),
+                            ("COPY dispute_events (log_index, event_id, dispute_id, seq, kind, "
+                             "actor, "
+                             "body, at, dsse) FROM STDIN", events)):
+                        with cur.copy(sql) as copy:
+                            for row in rows:
+                                copy.write_row(row)
+                conn.commit()
+                print(f"\r  built {idx:,} / {n:,} entries", end="", flush=True)
+            conn.execute("UPDATE log_state SET size = %s", (n,))
+            conn.commit()
+        print()
+        integrate_all(engine, signer, max_entries=20_000)
+
+    append(0, n)
+    size = [n]
+
+    def more(count: int) -> None:
+        append(size[0], size[0] + count)
+        size[0] += count
+
+    if add:
+        more(add)
+    return engine, signer, more
 
 
 #: main before every kind was audited: its `ledger audit` is the baseline ("today's").
@@ -311,6 +340,71 @@ def audit_benchmark(n: int, signatures: bool, keep: str | None = None) -> list[l
     return rows
 
 
+def incremental_benchmark(n: int, add: int, keep: str | None = None,
+                          rounds: int = 3) -> list[list[object]]:
+    """`ledger audit` of the whole log vs `ledger audit --since` the checkpoint at ``n``,
+    after ``add`` entries were appended to a log of ``n`` (same run, alternating, best of
+    ``rounds``). The log is kept in ``<keep>_plus<add>`` with ``--audit-db``."""
+    from ledger.db.session import make_engine, upgrade
+    from ledger.log.audit import audit
+    from ledger.settings import Settings
+
+    def timed(engine: Any, note: bytes | None) -> tuple[float, Any]:
+        t = time.perf_counter()
+        report = audit(engine, AUDIT_ORIGIN, since=note)
+        return time.perf_counter() - t, report
+
+    def run(url: str, build: bool) -> list[list[object]]:
+        if build:
+            t = time.perf_counter()
+            engine, _, _ = _build_audit_log(url, n, add)
+            print(f"built {n:,} + {add:,} signed entries of every kind in "
+                  f"{time.perf_counter() - t:.0f} s", flush=True)
+        else:
+            engine = make_engine(Settings(database_url=url), pool_size=2)
+        try:
+            with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as c:
+                row = c.execute("SELECT note FROM checkpoints WHERE tree_size = %s",
+                                (n,)).fetchone()
+                size = c.execute("SELECT size FROM log_state").fetchone()
+            if row is None or size is None or size[0] != n + add:
+                sys.exit(f"the log does not hold {n:,} + {add:,} entries with a checkpoint at "
+                         f"{n:,}: drop it or name another --audit-db")
+            note = bytes(row[0])  # what the sink saved, or the last audit's --against file
+            best = {"full": float("inf"), "since": float("inf")}
+            for _ in range(rounds):
+                for mode in ("full", "since"):
+                    el, report = timed(engine, note if mode == "since" else None)
+                    assert report.ok, report.problems[:5]
+                    assert report.entries == (add if mode == "since" else n + add)
+                    best[mode] = min(best[mode], el)
+                    print(f"  audit {mode}: {el:.2f} s", flush=True)
+        finally:
+            engine.dispose()
+        full, since = best["full"], best["since"]
+        return [[f"audit {n + add:,} entries: the whole log (full audit)", (n + add) / full,
+                 f"{full:.2f} s", "x1.000"],
+                [f"audit --since checkpoint {n:,}: {add:,} entries rechecked, stored tree "
+                 "checked against it", add / since, f"{since:.2f} s",
+                 f"x{since / full:.3f} of the full audit"]]
+
+    if keep is None:
+        with scratch_database("ledger_sincebench") as url:
+            return run(url, True)
+    name = f"{keep}_plus{add}"
+    with psycopg.connect(ADMIN_PG, autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
+                              (name,)).fetchone() is not None
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    url = ADMIN_PG.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1) \
+        + f"/{name}"
+    if not exists:
+        upgrade(url)
+    print(("reusing" if exists else "building") + f" the log in database {name}")
+    return run(url, not exists)
+
+
 def sigs_label(label: str) -> bool:
     return "signatures" in label
 
@@ -326,11 +420,25 @@ def main() -> None:
     ap.add_argument("--only-audit", action="store_true", help="run only the audit comparison")
     ap.add_argument("--audit-db", metavar="NAME",
                     help="keep the audit's log in this database and reuse it on later runs")
+    ap.add_argument("--audit-since", type=int, metavar="ADD", default=0,
+                    help="also time `ledger audit --since` after ADD entries appended to the "
+                         "audit's log, against the full audit of the same log")
+    ap.add_argument("--only-incremental", action="store_true",
+                    help="run only the --audit-since comparison")
     args = ap.parse_args()
+    if args.only_incremental:
+        print(f"machine: {machine()}")
+        rows = incremental_benchmark(args.audit_entries, args.audit_since or 10_000,
+                                     args.audit_db)
+        print(table(["measurement", "entries per second", "time", "vs full audit"], rows))
+        return
     if args.only_audit:
         print(f"machine: {machine()}")
         rows = audit_benchmark(args.audit_entries, args.audit_signatures, args.audit_db)
         print(table(["measurement", "entries per second", "time", "vs envelope-only"], rows))
+        if args.audit_since:
+            rows = incremental_benchmark(args.audit_entries, args.audit_since, args.audit_db)
+            print(table(["measurement", "entries per second", "time", "vs full audit"], rows))
         return
 
     from ledger.core.keys import generate_private_key, private_pem
@@ -447,6 +555,9 @@ def main() -> None:
     print(f"log of {args.entries:,} entries; {args.samples} samples per latency")
     print(table(["measurement", "per second", "", ""], rows))
     print(table(["measurement", "entries per second", "time", "vs envelope-only"], audit_rows))
+    if args.audit_since:
+        rows = incremental_benchmark(args.audit_entries, args.audit_since, args.audit_db)
+        print(table(["measurement", "entries per second", "time", "vs full audit"], rows))
     del leaf_hash
 
 

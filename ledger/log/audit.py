@@ -56,9 +56,12 @@ from ledger.core.merkle import EMPTY_ROOT, leaf_hash, verify_consistency
 from ledger.core.note import NoteVerifier, open_checkpoint
 from ledger.core.registry import RegisteredKey
 from ledger.core.tiles import (
+    FULL_TILE_BYTES,
     MemoryTileStore,
+    _mth_aligned,
     consistency_proof_from_tiles,
     integrate,
+    root_from_tiles,
     tiles_for_size,
 )
 from ledger.core.trust import TrustPolicy
@@ -84,6 +87,7 @@ class AuditReport:
     problems: list[str] = field(default_factory=list)
     first_bad_index: int | None = None
     bad_range: tuple[int, int] | None = None
+    since: int | None = None  # ``--since``: the audited checkpoint's size
 
     @property
     def ok(self) -> bool:
@@ -101,6 +105,13 @@ class _Checkpoint:
     root: bytes
     note: bytes
     source: str  # "db" or a saved file's name
+
+
+class SinceCheckpointError(LedgerError):
+    """The checkpoint given to ``audit(since=...)`` does not verify under the log's keys
+    (with a trust policy: its log keys): nothing can be audited from it."""
+
+    code = "since_checkpoint"
 
 
 # --- the leaf kinds ------------------------------------------------------------------
@@ -145,6 +156,11 @@ class LeafKind:
         cols = ", ".join([self.ref_column, *(cast.get(c, c) for c in self.checked)])
         # names from the LEAF_KINDS constants, never from input
         return f"SELECT log_index, dsse, {cols} FROM {self.table} ORDER BY log_index"  # noqa: S608
+
+    def select_from(self, start: int) -> str:
+        """:attr:`select`, for the records at ``log_index >= start`` only."""
+        head, order = self.select.rsplit(" ORDER BY ", 1)
+        return f"{head} WHERE log_index >= {int(start)} ORDER BY {order}"
 
     def signed_values(self, signed: Mapping[str, Any]) -> tuple[Any, ...]:
         try:
@@ -363,13 +379,15 @@ def _rows(conn: Any, name: str, query: str) -> Iterator[tuple[Any, ...]]:
             yield from batch
 
 
-def _entry_stream(conn: Any) -> Iterator[tuple[Any, ...]]:
-    return _rows(conn, "audit_entries",
-                 "SELECT idx, kind, ref, entry, leaf_hash FROM log_entries ORDER BY idx")
+def _entry_stream(conn: Any, start: int = 0) -> Iterator[tuple[Any, ...]]:
+    where = f"WHERE idx >= {int(start)}"
+    query = f"SELECT idx, kind, ref, entry, leaf_hash FROM log_entries {where} ORDER BY idx"  # noqa: S608
+    return _rows(conn, "audit_entries", query)
 
 
-def _record_stream(conn: Any, spec: LeafKind) -> Iterator[tuple[Any, ...]]:
-    return _rows(conn, f"audit_{spec.table}", spec.select)
+def _record_stream(conn: Any, spec: LeafKind, start: int = 0) -> Iterator[tuple[Any, ...]]:
+    return _rows(conn, f"audit_{spec.table}", spec.select_from(start) if start
+                 else spec.select)
 
 
 
@@ -421,11 +439,13 @@ def audit(engine: Engine, origin: str, *, against: Iterable[tuple[str, bytes]] =
           signatures: bool = False, trust: TrustPolicy | None = None,
           kinds: tuple[LeafKind, ...] = LEAF_KINDS,
           progress: Callable[[int, int], None] | None = None,
-          workers: int = 0) -> AuditReport:
-    """Audit the whole log. With ``trust``, checkpoints (stored and saved) count only when
-    signed by one of ``trust.log_keys`` and dispute events only when signed by one of
-    ``trust.service_keys`` (or, for the events a worker signs, by a worker key); producer
-    and worker keys only when registry leaves signed by a policy service key vouch for them
+          workers: int = 0, since: bytes | None = None) -> AuditReport:
+    """Audit the whole log, or with ``since`` what was added after a checkpoint audited
+    before (:func:`_check_stored_tree` says what that checks). With ``trust``, checkpoints
+    (stored and saved) count only when signed by one of ``trust.log_keys`` and dispute
+    events only when signed by one of ``trust.service_keys`` (or, for the events a worker
+    signs, by a worker key); producer and worker keys only when registry leaves signed by a
+    policy service key vouch for them
     (and every key or API-key row without its leaf is reported); stored cosignatures must
     verify under the policy's witness keys and reach its quorum.
 
@@ -438,23 +458,46 @@ def audit(engine: Engine, origin: str, *, against: Iterable[tuple[str, bytes]] =
     ~4 us each), handing them to a helper costs the main pass more than decoding them
     itself (measured at 200,000 entries on 2 cores: 4.1 s of main-process CPU with one
     helper, 3.2 s without).
+
+    ``since``: a signed checkpoint note (a file ``ledger audit`` checked before, the
+    checkpoint sink's, an export's). It must verify under the same log keys as every
+    checkpoint (with ``trust``: the policy's); if not, :class:`SinceCheckpointError` is
+    raised and nothing is audited. Then only the entries from its size on are rechecked
+    from their records, exactly as the full audit checks them; for the entries before it
+    the stored tree must be the one its root commits to, every stored tile included, and
+    the tree rebuilt from the new entries on top of it must reach every later checkpoint's
+    root (an RFC 9162 consistency proof from the stored tiles is verified as well).
+    Rehashing the old entries and records is left to the full audit.
     """
     with contextlib.ExitStack() as stack:
         return _audit(engine, origin, against, witnessed, signatures, trust, kinds,
-                      progress, workers, stack)
+                      progress, workers, stack, since)
 
 
 def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
            witnessed: Iterable[tuple[str, int, bytes]], signatures: bool,
            trust: TrustPolicy | None, kinds: tuple[LeafKind, ...],
            progress: Callable[[int, int], None] | None, workers: int,
-           stack: contextlib.ExitStack) -> AuditReport:
+           stack: contextlib.ExitStack, since_note: bytes | None = None) -> AuditReport:
     report = AuditReport(trusted=trust is not None)
     if trust is not None:
         origin = trust.origin
     ctx = _Context()
     with session_scope(engine) as session:
         verifiers = _log_verifiers(session, origin, trust)
+        since: _Checkpoint | None = None
+        if since_note is not None:
+            try:
+                opened_since = open_checkpoint(since_note, verifiers, origin=origin)
+            except LedgerError as exc:
+                whose = ("a log key of the trust policy" if trust is not None
+                         else "a registered log key")
+                raise SinceCheckpointError(f"the --since checkpoint: {exc.message}: not "
+                                           f"signed by {whose}") from None
+            since = _Checkpoint(opened_since.size, opened_since.root_hash, since_note,
+                                "since")
+            report.since = since.size
+        start = since.size if since is not None else 0
         vouched: dict[str, RegisteredKey] | None = None
         if trust is not None:
             vouched, registry_problems = vouched_keys(session, trust)
@@ -466,16 +509,18 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
         conn = session.connection().connection.driver_connection
         assert conn is not None
         with conn.cursor() as cur:
-            cur.execute("SELECT tree_size, root_hash, note FROM checkpoints ORDER BY tree_size")
+            cur.execute("SELECT tree_size, root_hash, note FROM checkpoints "
+                        "WHERE tree_size >= %s ORDER BY tree_size", (start,))
             db_cps = [_Checkpoint(r[0], bytes(r[1]), bytes(r[2]), "db") for r in cur.fetchall()]
             cur.execute("SELECT size FROM log_state WHERE id = 1")
             sequenced = int(cur.fetchone()[0])
             cur.execute("SELECT size, root_hash FROM log_tree WHERE id = 1")
             tree_row = cur.fetchone()
-            cur.execute("SELECT level, idx, data FROM tiles")
-            stored_tiles = {(r[0], r[1]): bytes(r[2]) for r in cur.fetchall()}
             present = [k for k in kinds if _table_exists(cur, k.table)]
             has_disputes = _table_exists(cur, "disputes")
+        with conn.cursor(binary=True) as bcur:  # 32 MiB of tiles per 1M entries, not hex
+            bcur.execute("SELECT level, idx, data FROM tiles")
+            stored_tiles = {(r[0], r[1]): bytes(r[2]) for r in bcur.fetchall()}
         by_kind = {k.kind: k for k in present}
         absent_kinds = {k.kind for k in LEAF_KINDS} - set(by_kind)
         saved = []
@@ -526,14 +571,26 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
         # With a trust policy, the witness quorum was checked above (audit_cosignatures).
 
         # Roots we must recompute: every checkpoint size, stored or saved elsewhere.
-        wanted = sorted({c.size for c in db_cps} | {c.size for c in saved})
+        wanted = sorted({c.size for c in db_cps} | {c.size for c in saved if c.size > start})
         roots: dict[int, bytes] = {0: EMPTY_ROOT}
         store = MemoryTileStore()
-        size = 0
+        if since is not None:
+            # The tree before ``start`` is the stored one, once it is the audited one.
+            if _check_stored_tree(report, stored_tiles, since):
+                store.write_tiles({t: stored_tiles[(t.level, t.index)][: t.width * 32]
+                                   for t in tiles_for_size(start)})
+                roots[start] = since.root
+                for old in saved:
+                    if old.size < start:
+                        roots[old.size] = root_from_tiles(old.size, store)
+            else:  # nothing later can be trusted to agree; say so once
+                return report
+            _fold_old_trails(conn, start, ctx)
+        size = start
         pending: list[bytes] = []
         next_want = iter(wanted)
         target = next(next_want, None)
-        expected = 0
+        expected = start
 
         def flush_to(limit: int) -> None:
             nonlocal size, pending
@@ -551,7 +608,7 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
             pool = stack.enter_context(ProcessPoolExecutor(
                 workers, mp_context=multiprocessing.get_context("spawn")))
         for spec in present:
-            rows = _record_stream(conn, spec)
+            rows = _record_stream(conn, spec, start)
             if pool is not None and spec.values is not None:
                 rows = _decoded_in(pool, rows)
             streams.append(_Stream(spec, rows))
@@ -564,7 +621,7 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
                     report.fail(f"{s.spec.kind} record {rec[2]} claims "
                                 f"log_index {at}, which has no log entry", at)
 
-        for row in _entry_stream(conn):
+        for row in _entry_stream(conn, start):
             idx, kind, ref, entry, stored_leaf = row[0], row[1], row[2], bytes(row[3]), \
                 bytes(row[4])
             if idx != expected:
@@ -604,26 +661,38 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
                 progress(expected, sequenced)
         orphans_before(None)
         flush_to(size + len(pending))
-        report.entries = expected
+        report.entries = expected - start
         report.tree_size = size
         if "envelope" in by_kind and len(kinds) > 1:
             with conn.cursor() as cur:
                 _check_subjects(report, cur, ctx)
                 if has_disputes and "dispute_event" in by_kind:
-                    _check_disputes(report, cur, ctx)
+                    _check_disputes(report, cur, ctx, only_trails=since is not None)
         if progress:
             progress(expected, sequenced)
 
     if sequenced != expected:
         report.fail(f"log_state says {sequenced} entries were sequenced, {expected} are stored",
                     min(sequenced, expected))
-    _check_roots(report, db_cps, roots, store)
+    if since is not None:
+        if not db_cps or db_cps[-1].size < start:
+            report.fail(f"the --since checkpoint (size {start}) is beyond the log's latest "
+                        f"checkpoint: the log was truncated", report.tree_size)
+        for dbcp in db_cps:
+            if dbcp.size == start and dbcp.root != since.root:
+                report.fail(f"checkpoint {start}: root differs from the --since checkpoint's",
+                            0)
+        _check_roots(report, [since, *(c for c in db_cps if c.size > start)], roots, store)
+        if db_cps and roots.get(db_cps[-1].size) == db_cps[-1].root:
+            _check_served_consistency(report, since, db_cps[-1], stored_tiles)
+    else:
+        _check_roots(report, db_cps, roots, store)
     _check_saved(report, saved, roots)
     if tree_row is not None and db_cps and (tree_row[0], bytes(tree_row[1])) != (
             db_cps[-1].size, db_cps[-1].root):
         report.fail("log_tree does not match the latest checkpoint")
     _check_tiles(report, stored_tiles, store,
-                 min(db_cps[-1].size if db_cps else 0, report.tree_size))
+                 min(db_cps[-1].size if db_cps else 0, report.tree_size), start)
     return report
 
 
@@ -661,11 +730,15 @@ def _check_subjects(report: AuditReport, cur: Any, ctx: _Context) -> None:
                         f"at index {env_index}) is not what the log holds there", idx)
 
 
-def _check_disputes(report: AuditReport, cur: Any, ctx: _Context) -> None:
-    """Each ``disputes`` row must agree with the state folded from its signed trail."""
+def _check_disputes(report: AuditReport, cur: Any, ctx: _Context,
+                    only_trails: bool = False) -> None:
+    """Each ``disputes`` row must agree with the state folded from its signed trail
+    (``only_trails``: the rows of the trails in ``ctx`` only, for ``--since``)."""
     cur.execute("SELECT id, request_id, envelope_index, fingerprint_id, state, resolution, "
                 "resolution_note, resolved_by, verdict_id FROM disputes ORDER BY id")
     rows = cur.fetchall()
+    if only_trails:
+        rows = [r for r in rows if str(r[0]) in ctx.trails]
     env = _envelope_entries(cur, {r[2] for r in rows})
     trails = dict(ctx.trails)
     for did, request_id, envelope_index, fingerprint_id, *rest in rows:
@@ -752,8 +825,13 @@ def _check_saved(report: AuditReport, saved: list[_Checkpoint], roots: dict[int,
 
 
 def _check_tiles(report: AuditReport, stored: dict[tuple[int, int], bytes],
-                 store: MemoryTileStore, size: int) -> None:
+                 store: MemoryTileStore, size: int, start: int = 0) -> None:
+    """The stored tiles of ``size`` must equal the recomputed ones (with ``start``: those
+    that changed after ``start``; :func:`_check_stored_tree` checked the others)."""
+    before = set(tiles_for_size(start)) if start else set()
     for tile in tiles_for_size(size):
+        if tile in before:
+            continue
         want = store.read_tiles([tile])[0]
         have = stored.get((tile.level, tile.index), b"")[: tile.width * 32]
         if have != want:
@@ -764,3 +842,100 @@ def _check_tiles(report: AuditReport, stored: dict[tuple[int, int], bytes],
             return
 
 
+
+
+def _check_stored_tree(report: AuditReport, stored: dict[tuple[int, int], bytes],
+                       since: _Checkpoint) -> bool:
+    """``--since``: is the stored tree at ``since.size`` the one ``since.root`` commits to?
+
+    Every stored full tile must hash (MTH) to its entry in the tile above, and the root
+    rebuilt from the stored tiles must be the checkpoint's. Then, unless SHA-256 has a
+    collision, every stored hash of the old tree (every leaf hash in the level-0 tiles,
+    every subtree hash above) is the audited one: a change to an old entry that reached
+    the tree, or to any stored tree hash, is caught here, without reading an old entry.
+    What is not read: the old rows of ``log_entries`` and of the record tables. An old
+    record or entry edited without its leaf (so that it no longer hashes to it) is left
+    to the full audit, and to anyone who checks an inclusion proof for it.
+    """
+    size = since.size
+    for tile in tiles_for_size(size):
+        data = stored.get((tile.level, tile.index), b"")
+        if len(data) < tile.width * 32:
+            report.fail(f"stored tile {tile.path} is missing or short: the stored tree "
+                        f"does not reach the --since checkpoint (size {size}); the log was "
+                        "truncated or its tiles deleted",
+                        (tile.index * 256) << (8 * tile.level))
+            return False
+        if tile.is_partial:
+            continue
+        parent = stored.get((tile.level + 1, tile.index >> 8), b"")
+        at = (tile.index & 255) * 32
+        if _mth_aligned(data[:FULL_TILE_BYTES]) != parent[at:at + 32]:
+            lo = (tile.index * 256) << (8 * tile.level)
+            report.fail(f"stored tile {tile.path} does not hash to its entry in the tile "
+                        f"above: the stored tree was changed at entries "
+                        f"{lo}..{lo + (256 << (8 * tile.level)) - 1}", lo)
+            return False
+    reader = MemoryTileStore()
+    reader.write_tiles({t: stored[(t.level, t.index)][: t.width * 32]
+                        for t in tiles_for_size(size)})
+    if root_from_tiles(size, reader) != since.root:
+        report.fail(f"the stored tree at size {size} does not have the --since checkpoint's "
+                    f"root: an entry before {size} was changed", 0)
+        report.bad_range = (0, size)
+        return False
+    return True
+
+
+def _check_served_consistency(report: AuditReport, old: _Checkpoint, new: _Checkpoint,
+                              stored: dict[tuple[int, int], bytes]) -> None:
+    """The consistency proof the log serves (from its stored tiles, as
+    ``/v1/log/consistency`` does) must verify from the --since checkpoint to the latest."""
+    if new.size <= old.size:
+        return
+    reader = MemoryTileStore()
+    try:
+        reader.write_tiles({t: stored.get((t.level, t.index), b"")[: t.width * 32]
+                            for t in tiles_for_size(new.size)})
+        proof = consistency_proof_from_tiles(old.size, new.size, reader)
+        verify_consistency(old.size, new.size, proof, old.root, new.root)
+    except LedgerError as exc:
+        report.fail(f"the consistency proof {old.size} -> {new.size} from the stored tiles "
+                    f"does not verify: {exc.message}", old.size)
+
+
+def _fold_old_trails(conn: Any, start: int, ctx: _Context) -> None:
+    """``--since``: the signed events before ``start`` of every dispute with an event from
+    ``start`` on, folded first, and the old verdicts their trails name, so that the new
+    events and those disputes' rows are checked against the whole trail (the old records'
+    bytes are not checked against their entries here: that is the full audit's)."""
+    with conn.cursor() as cur:
+        if not _table_exists(cur, "dispute_events"):
+            return
+        cur.execute("SELECT log_index, dsse FROM dispute_events WHERE log_index < %s AND "
+                    "dispute_id IN (SELECT dispute_id FROM dispute_events "
+                    "WHERE log_index >= %s) ORDER BY log_index", (start, start))
+        for idx, dsse_bytes in cur.fetchall():
+            try:
+                signed = _event_view(bytes(dsse_bytes))
+            except LedgerError:
+                continue  # the full audit reports it
+            did = str(signed["dispute_id"])
+            trail = ctx.trails.get(did)
+            if trail is None:
+                trail = ctx.trails[did] = views.DisputeTrail(did)
+                ctx.subjects.append((idx, f"dispute {did}", None, signed["request_id"],
+                                     signed["envelope_dsse_sha256"]))
+            trail.add(signed, idx)
+        # the verdicts before ``start`` that those trails name (their outcome is checked)
+        named = [t.verdict_id for t in ctx.trails.values() if t.verdict_id is not None]
+        if not named or not _table_exists(cur, "verdicts"):
+            return
+        cur.execute("SELECT log_index, dsse FROM verdicts WHERE log_index < %s AND "
+                    "verdict_id = ANY(%s)", (start, named))
+        for idx, dsse_bytes in cur.fetchall():
+            try:
+                verdict = views.verdict_view(bytes(dsse_bytes))
+            except LedgerError:
+                continue
+            ctx.verdicts.setdefault(verdict["verdict_id"], (idx, verdict["outcome"]))
