@@ -252,6 +252,19 @@ def main_audit() -> Any:
 AUDIT_ORIGIN = "bench.example/audit"
 
 
+def kept_database(name: str) -> tuple[str, bool]:
+    """(SQLAlchemy URL, whether it existed) of database ``name``, created when missing:
+    a log kept between benchmark runs (``--audit-db``)."""
+    with psycopg.connect(ADMIN_PG, autocommit=True) as conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
+                              (name,)).fetchone() is not None
+        if not exists:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    url = ADMIN_PG.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1) \
+        + f"/{name}"
+    return url, exists
+
+
 @contextmanager
 def audit_log(n: int, keep: str | None) -> Iterator[Any]:
     """An engine on a database holding the audit's log of ``n`` entries: a scratch one, or
@@ -270,13 +283,7 @@ def audit_log(n: int, keep: str | None) -> Iterator[Any]:
             finally:
                 engine.dispose()
         return
-    with psycopg.connect(ADMIN_PG, autocommit=True) as conn:
-        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
-                              (keep,)).fetchone() is not None
-        if not exists:
-            conn.execute(f'CREATE DATABASE "{keep}"')
-    url = ADMIN_PG.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1) \
-        + f"/{keep}"
+    url, exists = kept_database(keep)
     if exists:
         with psycopg.connect(url.replace("postgresql+psycopg://", "postgresql://")) as conn:
             row = conn.execute("SELECT size FROM log_state WHERE id = 1").fetchone()
@@ -392,13 +399,7 @@ def incremental_benchmark(n: int, add: int, keep: str | None = None,
         with scratch_database("ledger_sincebench") as url:
             return run(url, True)
     name = f"{keep}_plus{add}"
-    with psycopg.connect(ADMIN_PG, autocommit=True) as conn:
-        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s",
-                              (name,)).fetchone() is not None
-        if not exists:
-            conn.execute(f'CREATE DATABASE "{name}"')
-    url = ADMIN_PG.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1) \
-        + f"/{name}"
+    url, exists = kept_database(name)
     if not exists:
         upgrade(url)
     print(("reusing" if exists else "building") + f" the log in database {name}")

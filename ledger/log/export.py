@@ -101,18 +101,13 @@ def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = N
         origin = cp.note.decode().split("\n", 1)[0]
         where = ["log_index < %s"]
         params: list[Any] = [cp.tree_size]
-        if selection.recorded_after:
-            where.append("recorded_at >= %s")
-            params.append(selection.recorded_after)
-        if selection.recorded_before:
-            where.append("recorded_at < %s")
-            params.append(selection.recorded_before)
-        if selection.model_sha256:
-            where.append("model_sha256 = %s")
-            params.append(selection.model_sha256)
-        if selection.fingerprint_id:
-            where.append("fingerprint_id = %s")
-            params.append(selection.fingerprint_id)
+        for condition, value in (("recorded_at >= %s", selection.recorded_after),
+                                 ("recorded_at < %s", selection.recorded_before),
+                                 ("model_sha256 = %s", selection.model_sha256),
+                                 ("fingerprint_id = %s", selection.fingerprint_id)):
+            if value:
+                where.append(condition)
+                params.append(value)
         if selection.request_ids:
             where.append("request_id = ANY(%s)")
             params.append(list(selection.request_ids))
