@@ -300,6 +300,17 @@ class _Where:
         return f"entry {self.idx} ({self.kind} {self.ref})"
 
 
+def _trail(ctx: _Context, signed: Mapping[str, Any], idx: int) -> views.DisputeTrail:
+    """The dispute trail ``signed`` (an event) belongs to; a new one names its subject."""
+    did = str(signed["dispute_id"])
+    trail = ctx.trails.get(did)
+    if trail is None:
+        trail = ctx.trails[did] = views.DisputeTrail(did)
+        ctx.subjects.append((idx, f"dispute {did}", None, signed["request_id"],
+                             signed["envelope_dsse_sha256"]))
+    return trail
+
+
 def _check_record(report: AuditReport, spec: LeafKind, idx: int, entry: bytes,
                   row: tuple[Any, ...], keys: dict[str, dict[str, bytes]] | None,
                   ctx: _Context) -> bytes:
@@ -357,16 +368,11 @@ def _check_record(report: AuditReport, spec: LeafKind, idx: int, entry: bytes,
         ctx.subjects.append((idx, f"verdict {ref}", signed["envelope_index"],
                              signed["request_id"], signed["envelope_dsse_sha256"]))
     elif spec.kind == "dispute_event":
-        did = str(signed["dispute_id"])
-        trail = ctx.trails.get(did)
-        if trail is None:
-            trail = ctx.trails[did] = views.DisputeTrail(did)
-            ctx.subjects.append((idx, f"dispute {did}", None, signed["request_id"],
-                                 signed["envelope_dsse_sha256"]))
+        trail = _trail(ctx, signed, idx)
         before = len(trail.problems)
         trail.add(signed, idx)
         for problem in trail.problems[before:]:
-            report.fail(f"{where}: dispute {did}: {problem}", idx)
+            report.fail(f"{where}: dispute {trail.dispute_id}: {problem}", idx)
     return recomputed
 
 
@@ -920,13 +926,7 @@ def _fold_old_trails(conn: Any, start: int, ctx: _Context) -> None:
                 signed = _event_view(bytes(dsse_bytes))
             except LedgerError:
                 continue  # the full audit reports it
-            did = str(signed["dispute_id"])
-            trail = ctx.trails.get(did)
-            if trail is None:
-                trail = ctx.trails[did] = views.DisputeTrail(did)
-                ctx.subjects.append((idx, f"dispute {did}", None, signed["request_id"],
-                                     signed["envelope_dsse_sha256"]))
-            trail.add(signed, idx)
+            _trail(ctx, signed, idx).add(signed, idx)
         # the verdicts before ``start`` that those trails name (their outcome is checked)
         named = [t.verdict_id for t in ctx.trails.values() if t.verdict_id is not None]
         if not named or not _table_exists(cur, "verdicts"):
