@@ -178,6 +178,10 @@ def prefill_attention(
     return torch_kernels.fast_prefill_attention(q, k, v, cu_seqlens, scale)
 
 
+#: Query rows per decode-kernel call in ``chunk_attention`` times KV heads (not numerics).
+_CHUNK_ROWS_PER_CALL = 4096
+
+
 def chunk_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, chunks: list[tuple[int, int, int, int]],
     scale: float,
@@ -200,10 +204,17 @@ def chunk_attention(
         end = p0 + n
         qs = q[row:row + n]                                               # [n, Hq, D]
         if invariant:
-            kc = k_cache[slot:slot + 1, :, :end].expand(n, -1, -1, -1)    # [n, Hkv, end, D]
-            vc = v_cache[slot:slot + 1, :, :end].expand(n, -1, -1, -1)
-            lens = torch.arange(p0 + 1, end + 1, device=q.device, dtype=torch.int32)
-            out[row:row + n] = _bi(q).bi_decode_attention(qs, kc, vc, lens, scale)
+            # Rows per call: the Triton kernel keeps one counter per (row, KV head) in a
+            # 4096-entry buffer that captured decode graphs point at; never make it grow.
+            step = max(1, _CHUNK_ROWS_PER_CALL // k_cache.shape[1])
+            for a in range(0, n, step):
+                m = min(step, n - a)
+                stop = p0 + a + m
+                kc = k_cache[slot:slot + 1, :, :stop].expand(m, -1, -1, -1)  # [m, Hkv, S', D]
+                vc = v_cache[slot:slot + 1, :, :stop].expand(m, -1, -1, -1)
+                lens = torch.arange(p0 + a + 1, stop + 1, device=q.device, dtype=torch.int32)
+                out[row + a:row + a + m] = _bi(q).bi_decode_attention(
+                    qs[a:a + m], kc, vc, lens, scale)
         else:
             out[row:row + n] = torch_kernels.fast_chunk_attention(
                 qs, k_cache[slot, :, :end], v_cache[slot, :, :end], p0, scale)
