@@ -153,6 +153,7 @@ def run_command(
     results = run_matrix(engine, records, chosen)
     rep = report(results, runtime=engine.runtime(), records=[r.request_id for r in records],
                  source=source)
+    output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(rep, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     page = html_out or output.with_suffix(".html")
     page.write_text(render_html(rep), encoding="utf-8")

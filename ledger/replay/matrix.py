@@ -203,6 +203,11 @@ def svg_plot(rep: Mapping[str, Any], *, width: int = 640) -> str:
     return "".join(parts)
 
 
+def _runtime_text(runtime: Mapping[str, Any]) -> str:
+    return html.escape(f"{runtime.get('engine')} {runtime.get('engine_version')} on "
+                       f"{runtime.get('device')} ({runtime.get('dtype')})")
+
+
 def render_html(rep: Mapping[str, Any]) -> str:
     """A self-contained page: the table, the SVG plot, the divergences."""
     rows = table_rows(rep)
@@ -220,9 +225,7 @@ def render_html(rep: Mapping[str, Any]) -> str:
         "<!doctype html><meta charset='utf-8'><title>Replay matrix</title>"
         "<style>body{font-family:sans-serif}td,th{padding:2px 8px;text-align:left}</style>"
         f"<h1>Replay matrix</h1><p>{len(rep['records'])} records from "
-        f"{html.escape(str(rep['source']))}; engine {html.escape(str(rep['runtime'].get('engine')))}"
-        f" {html.escape(str(rep['runtime'].get('engine_version')))} on "
-        f"{html.escape(str(rep['runtime'].get('device')))}</p>"
+        f"{html.escape(str(rep['source']))}; engine {_runtime_text(rep['runtime'])}</p>"
         f"<table><tr>{head}</tr>{body}</table>{svg_plot(rep)}"
         f"<h2>Divergences</h2><ul>{''.join(div) or '<li>none</li>'}</ul>"
     )

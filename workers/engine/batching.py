@@ -78,6 +78,7 @@ class _Sequence:
     next_token: int | None = None          # to feed at the next decode step
     digests: list[tuple[_StepDigests, int]] = field(default_factory=list)
     first_token_s: float | None = None     # perf_counter when the first token was known
+    token_times: list[float] = field(default_factory=list)   # perf_counter per token
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -94,6 +95,7 @@ class Finished:
     ticket: int
     result: GenerationResult
     first_token_s: float | None            # perf_counter of the first token (TTFT)
+    token_times: tuple[float, ...] = ()    # perf_counter when each token was known
 
 
 class ContinuousBatcher:
@@ -326,6 +328,7 @@ class ContinuousBatcher:
             seq.digests.append((digests, r))
             if seq.first_token_s is None:
                 seq.first_token_s = now
+            seq.token_times.append(now)
             stats.generated_tokens += 1
             if token in params.stop_token_ids or (not params.ignore_eos and token in eos):
                 result.finish_reason = "stop"
@@ -381,7 +384,8 @@ class ContinuousBatcher:
         for seq in self._retiring:
             if block or all(d.done() for d, _ in seq.digests):
                 seq.result.logits_sha256 = [d.row(i) for d, i in seq.digests]
-                self._done.append(Finished(seq.ticket, seq.result, seq.first_token_s))
+                self._done.append(Finished(seq.ticket, seq.result, seq.first_token_s,
+                                           tuple(seq.token_times)))
             else:
                 still.append(seq)
         self._retiring = still

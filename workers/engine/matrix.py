@@ -38,6 +38,8 @@ from workers.engine.reference import ReferenceEngine
 DEFAULT_CELLS = ("alone", "batch:8", "arrivals:2", "chunk:1", "chunk:16", "prefix:warm",
                  "graphs:off", "kernels:default", "kernels:default+chunk:16")
 AXES = ("batch", "arrivals", "chunk", "prefix", "graphs", "kernels")
+_CHOICES = {"prefix": ("warm", "cold"), "graphs": ("on", "off"),
+            "kernels": ("default", "invariant")}
 #: Top logprobs asked of every replay (reports the top-K at k-1 and k of a divergence).
 TOP_K = 5
 
@@ -64,11 +66,7 @@ def parse_cell(spec: str) -> dict[str, Any]:
             if not value.isdigit() or (int(value) < 1 and name != "arrivals"):
                 raise ValueError(f"cell {spec!r}: {name} needs a positive integer")
             axes[name] = int(value)
-        elif name == "prefix" and value in ("warm", "cold"):
-            axes[name] = value
-        elif name == "graphs" and value in ("on", "off"):
-            axes[name] = value
-        elif name == "kernels" and value in ("default", "invariant"):
+        elif value in _CHOICES.get(name, ()):
             axes[name] = value
         else:
             raise ValueError(f"cell {spec!r}: bad value {value!r} for {name}")

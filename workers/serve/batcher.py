@@ -117,10 +117,9 @@ class EngineBatcher:
                     self.batches += 1
                     self.max_running = max(self.max_running, batcher.running)
                 for finished in batcher.take_finished():
-                    future = waiting.pop(finished.ticket, None)
-                    if future is not None:
+                    if finished.ticket in waiting:
                         self.requests += 1
-                        future.set_result(finished.result)
+                        waiting.pop(finished.ticket).set_result(finished.result)
         finally:
             batcher.close()
 
