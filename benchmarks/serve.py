@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import random
-import statistics
 import subprocess
 import sys
 import threading
