@@ -173,3 +173,14 @@ def test_prefix_cache_evicts_least_recently_used() -> None:
     assert len(cache) == 4 and cache.stats.evicted_blocks == 2
     engine.generate([a], max_batch=1)
     assert engine.stats.prefix_hit_tokens == 0
+
+
+def test_prefix_cache_smaller_than_a_prompt_stays_correct() -> None:
+    """A pool of 2 pages and a 5-block prompt: only whole, correct prefixes are served."""
+    engine = load_engine("tiny-demo")
+    request = GenerationRequest("p", tuple(range(90)), SamplingParams(max_tokens=3))
+    plain = signature(engine.generate([request], max_batch=1)[0])
+    engine.prefix_cache = PrefixCache(pages=2, block_size=BLOCK)
+    for _ in range(2):
+        assert signature(engine.generate([request], max_batch=1)[0]) == plain
+    assert engine.stats.prefix_hit_tokens == 2 * BLOCK

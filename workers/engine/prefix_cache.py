@@ -120,7 +120,9 @@ class PrefixCache:
         """Keep the full blocks of a prefilled prompt (in ``slot``) that are not cached."""
         self._pool(cache)
         bs = self.block_size
-        for j, name in enumerate(block_hashes(tokens, bs, mode)):
+        new_blocks, new_pages = [], []
+        # At most ``pages`` blocks: then eviction can never take a page this call assigned.
+        for j, name in enumerate(block_hashes(tokens, bs, mode)[:self.pages]):
             if name in self._index:
                 self._index.move_to_end(name)
                 continue
@@ -129,8 +131,18 @@ class PrefixCache:
             else:
                 _, page = self._index.popitem(last=False)
                 self.stats.evicted_blocks += 1
-            for pool, live in ((self._k, cache.k), (self._v, cache.v)):
-                for layer_pool, layer_cache in zip(pool, live, strict=True):
-                    layer_pool[page] = layer_cache[slot, :, j * bs:(j + 1) * bs]
             self._index[name] = page
+            new_blocks.append(j)
+            new_pages.append(page)
             self.stats.stored_blocks += 1
+        if not new_blocks:
+            return
+        dev = cache.k[0].device
+        blocks = torch.tensor(new_blocks, device=dev)
+        pages = torch.tensor(new_pages, device=dev)
+        n = (new_blocks[-1] + 1) * bs
+        for pool, live in ((self._k, cache.k), (self._v, cache.v)):
+            for layer_pool, layer_cache in zip(pool, live, strict=True):
+                hkv, d = layer_cache.shape[1], layer_cache.shape[3]
+                prefix = layer_cache[slot, :, :n].reshape(hkv, n // bs, bs, d)  # [Hkv, nb, bs, D]
+                layer_pool[pages] = prefix.permute(1, 0, 2, 3)[blocks]          # [P, Hkv, bs, D]
