@@ -13,7 +13,8 @@ rest are random; ``--new`` new tokens each, greedy, ``ignore_eos``.
 
 Targets, each at every rate:
 
-* ``reference``: our engine in batch-invariant mode, in process, as ``ledger engine serve``
+* ``reference-bi`` (and ``reference-default``, the same-run baseline; ``--modes``): our
+  engine in batch-invariant mode (and its fast mode), in process, as ``ledger engine serve``
   runs it (``ContinuousBatcher``: admission by arrival at the next step, ``--max-batch``
   running, prompts prefilled in ``--chunk``-token chunks next to the decodes, a prefix cache
   of ``--prefix-pages`` 16-token pages). One thread adds the requests whose arrival time has
@@ -115,6 +116,7 @@ def make_engine(args: argparse.Namespace) -> Any:
 def run_reference(engine: Any, args: argparse.Namespace, rate: float) -> dict[str, Any]:
     from workers.engine.api import GenerationRequest, SamplingParams
 
+    target = "reference-bi" if engine.batch_invariant else "reference-default"
     sampling = SamplingParams(max_tokens=args.new, ignore_eos=True)
     plan = workload(args, engine.config.vocab_size, rate)
     engine.stats.prefix_hit_tokens = engine.stats.prompt_tokens = 0
@@ -137,7 +139,7 @@ def run_reference(engine: Any, args: argparse.Namespace, rate: float) -> dict[st
             for f in batcher.take_finished():
                 timings[f.ticket].tokens = list(f.token_times)
     hits = engine.stats.prefix_hit_tokens / max(1, engine.stats.prompt_tokens)
-    return summarize("reference-bi", rate, list(timings.values()),
+    return summarize(target, rate, list(timings.values()),
                      {"prefix_hit_share": round(hits, 3)})
 
 
@@ -230,6 +232,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=None, help="prefill chunk (tokens)")
     parser.add_argument("--prefix-pages", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default="bi,default",
+                        help="reference engine modes: bi (batch invariant), default")
     parser.add_argument("--url", default=None, help="also measure this running server")
     parser.add_argument("--url-model", default="tiny-demo")
     parser.add_argument("--vllm-model", default=None)
@@ -252,9 +256,11 @@ def main() -> None:
     vocab = engine.config.vocab_size
     log(f"reference engine on {args.device}: warm-up")
     run_reference(engine, argparse.Namespace(**{**vars(args), "requests": 4}), 100.0)
-    for rate in rates:
-        rows.append(run_reference(engine, args, rate))
-        log(json.dumps(rows[-1]))
+    for mode in args.modes.split(","):
+        engine.batch_invariant = mode == "bi"
+        for rate in rates:
+            rows.append(run_reference(engine, args, rate))
+            log(json.dumps(rows[-1]))
     del engine
     if gpu:
         import torch
