@@ -233,7 +233,8 @@ def main() -> None:
     parser.add_argument("--prefix-pages", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="bi,default",
-                        help="reference engine modes: bi (batch invariant), default")
+                        help="reference engine modes: bi (batch invariant), default; "
+                             "'none' to measure only --url / --vllm-model")
     parser.add_argument("--url", default=None, help="also measure this running server")
     parser.add_argument("--url-model", default="tiny-demo")
     parser.add_argument("--vllm-model", default=None)
@@ -252,20 +253,28 @@ def main() -> None:
     rates = [float(r) for r in args.rates.split(",")]
 
     rows = []
-    engine = make_engine(args)
-    vocab = engine.config.vocab_size
-    log(f"reference engine on {args.device}: warm-up")
-    run_reference(engine, argparse.Namespace(**{**vars(args), "requests": 4}), 100.0)
-    for mode in args.modes.split(","):
-        engine.batch_invariant = mode == "bi"
-        for rate in rates:
-            rows.append(run_reference(engine, args, rate))
-            log(json.dumps(rows[-1]))
-    del engine
+    modes = [m for m in args.modes.split(",") if m in ("bi", "default")]
     if gpu:
-        import torch
+        from workers.engine.config import LLAMA3_8B_CONFIG
 
-        torch.cuda.empty_cache()
+        vocab = int(LLAMA3_8B_CONFIG["vocab_size"])
+    else:
+        vocab = 260                                   # tiny-demo
+    if modes:
+        engine = make_engine(args)
+        vocab = engine.config.vocab_size
+        log(f"reference engine on {args.device}: warm-up")
+        run_reference(engine, argparse.Namespace(**{**vars(args), "requests": 4}), 100.0)
+        for mode in modes:
+            engine.batch_invariant = mode == "bi"
+            for rate in rates:
+                rows.append(run_reference(engine, args, rate))
+                log(json.dumps(rows[-1]))
+        del engine
+        if gpu:
+            import torch
+
+            torch.cuda.empty_cache()
     if args.url:
         for rate in rates:
             rows.append(run_http(args.url, args.url_model, vocab, args, rate, "http"))

@@ -184,3 +184,33 @@ def test_prefix_cache_smaller_than_a_prompt_stays_correct() -> None:
     for _ in range(2):
         assert signature(engine.generate([request], max_batch=1)[0]) == plain
     assert engine.stats.prefix_hit_tokens == 2 * BLOCK
+
+
+def test_serve_batcher_admits_by_arrival() -> None:
+    """``ledger engine serve``'s batcher: a request arriving mid-decode joins the running
+    batch and leaves when done, before the long one; both equal their solo runs."""
+    import time
+
+    from workers.serve.batcher import EngineBatcher
+
+    engine = load_engine("tiny-demo")
+    long = GenerationRequest("long", tuple(range(20)),
+                             SamplingParams(max_tokens=200, ignore_eos=True))
+    short = GenerationRequest("short", tuple(range(30, 70)),
+                              SamplingParams(max_tokens=2, ignore_eos=True, logprobs=2))
+    solo = {r.id: signature(engine.generate([r], max_batch=1)[0]) for r in (long, short)}
+    batcher = EngineBatcher(engine, max_batch=4, prefill_chunk=16)
+    try:
+        assert batcher.continuous
+        f_long = batcher.submit(long)
+        deadline = time.monotonic() + 60
+        while batcher.batches < 3 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        f_short = batcher.submit(short)
+        got_short = f_short.result(timeout=60)
+        assert not f_long.done(), "the short request did not join the running batch"
+        got_long = f_long.result(timeout=120)
+    finally:
+        batcher.close()
+    assert batcher.max_running == 2
+    assert signature(got_short) == solo["short"] and signature(got_long) == solo["long"]

@@ -122,6 +122,8 @@ class ContinuousBatcher:
         self._active: list[_Sequence] = []          # _active[s] lives in cache slot s
         self._retiring: list[_Sequence] = []        # finished, digests still hashing
         self._done: list[Finished] = []
+        # A decode step already run for the next step: (logits [B, V], decoding slots).
+        self._launched: tuple[Tensor, list[int]] | None = None
         self._sampler = BatchSampler([], [], engine.config.vocab_size, engine.device)
         self._exit = contextlib.ExitStack()
         threads = hashing_threads(engine.device)
@@ -206,6 +208,9 @@ class ContinuousBatcher:
         if not self._waiting or room <= 0:
             return
         group = list(self._waiting)[:room]
+        if self._launched is not None:     # the cache (and its graphs' buffers) may be
+            logits, decoding = self._launched                 # replaced below: own a copy
+            self._launched = (logits.clone(), decoding)
         # Slots for the whole batch at once (static: this group), so the cache (and on
         # CUDA its graph set) is not regrown one slot at a time.
         engine._ensure_cache(len(group) if self.static else self.max_batch,
@@ -284,20 +289,16 @@ class ContinuousBatcher:
         dev = engine.device
         cache = engine._cache
         assert cache is not None
-        decoding = [s for s, seq in enumerate(self._active) if seq.next_token is not None]
+        if self._launched is None:
+            self._launch_decode()
+        launched, self._launched = self._launched, None
         rows: list[int] = []
         parts: list[Tensor] = []
-        if decoding:
-            spare = cache.max_seq - 1                        # never a live position
-            feed = [(seq.next_token, seq.position) if seq.next_token is not None
-                    else (0, spare) for seq in self._active]
-            tokens = torch.tensor([t for t, _ in feed], device=dev)
-            positions = torch.tensor([p for _, p in feed], device=dev)
-            logits = engine._decode(cache, tokens, positions)                 # [B, V]
-            stats.decode_steps += 1
+        if launched is not None:
+            logits, decoding = launched
             rows += decoding
             parts.append(logits[torch.tensor(decoding, device=dev)] if len(decoding)
-                         < len(self._active) else logits)
+                         < logits.shape[0] else logits)
         if ready:
             rows += [slot for slot, _ in ready]
             parts.append(torch.stack([row for _, row in ready]))
@@ -340,8 +341,31 @@ class ContinuousBatcher:
                 seq.next_token = token
         if finished:
             self._retire(finished)
+        # The next step's decode goes to the device now, so the host work until then (the
+        # next step's admission and prefill bookkeeping, this step's digests) overlaps it.
+        self._launch_decode()
         stats.decode_s += time.perf_counter() - decode_began
         del began
+
+    def _launch_decode(self) -> None:
+        """Run (on CUDA: enqueue) one decode step for every request with a token to feed;
+        kept in ``_launched`` for the step that samples it. Slots 0..B-1 as one batch; rows
+        still in their prompt are dummies (token 0 at a spare position), dropped later."""
+        decoding = [s for s, seq in enumerate(self._active) if seq.next_token is not None]
+        if not decoding:
+            self._launched = None
+            return
+        engine = self.engine
+        cache = engine._cache
+        assert cache is not None
+        dev = engine.device
+        spare = cache.max_seq - 1                            # never a live position
+        feed = [(seq.next_token, seq.position) if seq.next_token is not None
+                else (0, spare) for seq in self._active]
+        tokens = torch.tensor([t for t, _ in feed], device=dev)
+        positions = torch.tensor([p for _, p in feed], device=dev)
+        self._launched = (engine._decode(cache, tokens, positions), decoding)   # [B, V]
+        engine.stats.decode_steps += 1
 
     def _top_logprobs(self, rows: list[int], logprobs: Tensor) -> list[list[tuple[int, float]]]:
         from workers.engine.reference import top_logprobs
