@@ -34,8 +34,8 @@ def tick(engine: Engine, publisher: Publisher | None, settings: Settings,
     report = jobs.sweep(engine, publisher, settings, signer, actor="beat")
     out["published"], out["awaiting"], out["recovered"] = (
         len(report.published), len(report.awaiting), len(report.recovered))
-    out["runs"] = len(reverification.run_due(engine, settings))
-    out["gates"] = len(gate.check_new_fingerprints(engine, settings))
+    out["runs"] = len(reverification.run_due(engine, settings, signer))
+    out["gates"] = len(gate.check_new_fingerprints(engine, settings, signer))
     if out["runs"] or out["gates"]:  # publish what they created without waiting a tick
         jobs.sweep(engine, publisher, settings, signer, actor="beat")
     from ledger.replay import alerts
