@@ -74,6 +74,7 @@ class _Sequence:
     budget: int
     result: GenerationResult
     arrived_step: int
+    stops: frozenset[int] = frozenset()    # tokens that end it (its stop ids, EOS unless ignored)
     prefilled: int = 0                     # prompt tokens in the cache
     next_token: int | None = None          # to feed at the next decode step
     digests: list[tuple[_StepDigests, int]] = field(default_factory=list)
@@ -124,6 +125,12 @@ class ContinuousBatcher:
         self._done: list[Finished] = []
         # A decode step already run for the next step: (logits [B, V], decoding slots).
         self._launched: tuple[Tensor, list[int]] | None = None
+        # Its inputs on the device (tokens, positions [B]); when every running request was
+        # in it, the next step's feed is the sampled tokens at positions + 1 (no host copy).
+        self._feed: tuple[Tensor, Tensor] | None = None
+        self._prompting = 0            # running requests with prompt tokens left to prefill
+        self._want_top = 0             # running requests that want top logprobs
+        self._eos = frozenset(engine.config.eos_token_ids)
         self._sampler = BatchSampler([], [], engine.config.vocab_size, engine.device)
         self._exit = contextlib.ExitStack()
         threads = hashing_threads(engine.device)
@@ -144,7 +151,9 @@ class ContinuousBatcher:
         seq = _Sequence(ticket, request, budget, GenerationResult(
             id=request.id, token_ids=[], finish_reason="length", logprobs=[],
             top_logprobs=[] if request.sampling.logprobs else None, logits_sha256=[]),
-            arrived_step=self.steps)
+            arrived_step=self.steps,
+            stops=frozenset(request.sampling.stop_token_ids)
+            | (frozenset() if request.sampling.ignore_eos else self._eos))
         if budget == 0:
             self._done.append(Finished(ticket, seq.result, None))
         else:
@@ -227,11 +236,15 @@ class ContinuousBatcher:
                 seq.prefilled = len(pages) * engine.prefix_cache.block_size
                 engine.stats.prefix_hit_tokens += seq.prefilled
             self._active.append(seq)
+            self._prompting += seq.prefilled < len(seq.prompt)
+            self._want_top += seq.result.top_logprobs is not None
             self._sampler.add(seq.request.sampling, seq.prompt)
             engine.stats.prompt_tokens += len(seq.prompt)
 
     def _prefill(self) -> list[tuple[int, Tensor]]:
         """Run this step's prompt chunks; (slot, fp32 logits [V]) of completed prompts."""
+        if not self._prompting:
+            return []
         engine = self.engine
         cache = engine._cache
         assert cache is not None
@@ -272,6 +285,7 @@ class ContinuousBatcher:
                 seq.prefilled = p0 + n
                 engine.stats.prefill_tokens += n
                 if seq.prefilled == len(seq.prompt):
+                    self._prompting -= 1
                     ready.append((slot, logits[row]))
                     if engine.prefix_cache is not None:
                         engine.prefix_cache.store(cache, slot, seq.prompt,
@@ -283,69 +297,89 @@ class ContinuousBatcher:
     def _step(self) -> None:
         engine = self.engine
         stats = engine.stats
-        began = time.perf_counter()
         ready = self._prefill()
         decode_began = time.perf_counter()
         dev = engine.device
-        cache = engine._cache
-        assert cache is not None
         if self._launched is None:
             self._launch_decode()
         launched, self._launched = self._launched, None
+        feed, self._feed = self._feed, None
         rows: list[int] = []
         parts: list[Tensor] = []
         if launched is not None:
             logits, decoding = launched
             rows += decoding
-            parts.append(logits[torch.tensor(decoding, device=dev)] if len(decoding)
-                         < logits.shape[0] else logits)
+            parts.append(logits[torch.tensor(decoding).to(dev, non_blocking=True)]
+                         if len(decoding) < logits.shape[0] else logits)
         if ready:
             rows += [slot for slot, _ in ready]
             parts.append(torch.stack([row for _, row in ready]))
         if not rows:
             return
+        # Every running request decoded in the launched step and none joined it: row r is
+        # slot r, the sampler's rows are all in order and the next feed stays on the device.
+        whole = not ready and len(rows) == len(self._active)
         logits = parts[0] if len(parts) == 1 else torch.cat(parts)            # [R, V]
-        steps = [len(self._active[s].result.token_ids) for s in rows]
-        chosen = self._sampler.choose(logits, steps, rows)                    # [R]
+        seqs = [self._active[s] for s in rows]
+        steps = [len(seq.result.token_ids) for seq in seqs]
+        sampler_rows = None if whole else rows
+        chosen = self._sampler.choose(logits, steps, sampler_rows)            # [R]
         logprobs = ops.log_softmax(logits)                                    # fp32 [R, V]
         chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0]
         digests = _StepDigests(self._digester.submit(logits))
-        top = self._top_logprobs(rows, logprobs)
-        self._sampler.record(chosen, rows)
+        top = self._top_logprobs(seqs, logprobs) if self._want_top else None
+        self._sampler.record(chosen, sampler_rows)
+        # The step's one device->host sync: token ids and logprob bits together.
         host = torch.stack([chosen, chosen_lp.view(torch.int32).to(torch.int64)]).cpu()
         token_ids = host[0].tolist()
         token_lps = host[1].to(torch.int32).view(torch.float32).tolist()
         now = time.perf_counter()
 
-        eos = set(engine.config.eos_token_ids)
-        finished: list[int] = []
-        for r, (slot, token, lp) in enumerate(zip(rows, token_ids, token_lps, strict=True)):
-            seq = self._active[slot]
-            result, params = seq.result, seq.request.sampling
+        finished = [slot for slot, seq, token, n in zip(rows, seqs, token_ids, steps,
+                                                        strict=True)
+                    if token in seq.stops or n + 1 >= seq.budget]
+        fast = whole and feed is not None
+        if fast:
+            # Launch the next step before the host bookkeeping below (which it overlaps on
+            # CUDA), fed from the device: the sampled tokens at the next positions.
+            assert feed is not None
+            tokens, positions = chosen, feed[1] + 1
+            if finished:
+                kept = self._retire(finished)
+                if kept and kept != list(range(len(kept))):
+                    index = torch.tensor(kept).to(dev, non_blocking=True)
+                    tokens, positions = tokens[index], positions[index]
+                else:
+                    tokens, positions = tokens[:len(kept)], positions[:len(kept)]
+            if self._active:
+                self._launch(list(range(len(self._active))), tokens, positions)
+        stats.generated_tokens += len(rows)
+        for r, (seq, token, lp) in enumerate(zip(seqs, token_ids, token_lps, strict=True)):
+            result = seq.result
             result.token_ids.append(token)
             result.logprobs.append(lp)
-            if result.top_logprobs is not None:
+            if top is not None and result.top_logprobs is not None:
                 result.top_logprobs.append(top[r])
             seq.digests.append((digests, r))
             if seq.first_token_s is None:
                 seq.first_token_s = now
             seq.token_times.append(now)
-            stats.generated_tokens += 1
-            if token in params.stop_token_ids or (not params.ignore_eos and token in eos):
+            if token in seq.stops:
                 result.finish_reason = "stop"
-                finished.append(slot)
             elif len(result.token_ids) >= seq.budget:
                 result.finish_reason = "length"
-                finished.append(slot)
             else:
                 seq.next_token = token
+        if not fast:
+            if finished:
+                self._retire(finished)
+            # The next step's decode goes to the device now, so the host work until then
+            # (the next step's admission and prefill bookkeeping, this step's digests)
+            # overlaps it.
+            self._launch_decode()
         if finished:
-            self._retire(finished)
-        # The next step's decode goes to the device now, so the host work until then (the
-        # next step's admission and prefill bookkeeping, this step's digests) overlaps it.
-        self._launch_decode()
+            self._deliver(block=False)
         stats.decode_s += time.perf_counter() - decode_began
-        del began
 
     def _launch_decode(self) -> None:
         """Run (on CUDA: enqueue) one decode step for every request with a token to feed;
@@ -355,24 +389,31 @@ class ContinuousBatcher:
         if not decoding:
             self._launched = None
             return
+        cache = self.engine._cache
+        assert cache is not None
+        spare = cache.max_seq - 1                            # never a live position
+        feed = [seq.next_token if seq.next_token is not None else 0 for seq in self._active]
+        feed += [seq.position if seq.next_token is not None else spare
+                 for seq in self._active]
+        both = torch.tensor(feed).to(self.engine.device, non_blocking=True)   # one copy
+        b = len(self._active)
+        self._launch(decoding, both[:b], both[b:])
+
+    def _launch(self, decoding: list[int], tokens: Tensor, positions: Tensor) -> None:
         engine = self.engine
         cache = engine._cache
         assert cache is not None
-        dev = engine.device
-        spare = cache.max_seq - 1                            # never a live position
-        feed = [(seq.next_token, seq.position) if seq.next_token is not None
-                else (0, spare) for seq in self._active]
-        tokens = torch.tensor([t for t, _ in feed], device=dev)
-        positions = torch.tensor([p for _, p in feed], device=dev)
-        self._launched = (engine._decode(cache, tokens, positions), decoding)   # [B, V]
+        self._launched = (engine._decode(cache, tokens, positions), decoding)  # [B, V]
+        self._feed = (tokens, positions)
         engine.stats.decode_steps += 1
 
-    def _top_logprobs(self, rows: list[int], logprobs: Tensor) -> list[list[tuple[int, float]]]:
+    def _top_logprobs(self, seqs: list[_Sequence], logprobs: Tensor
+                      ) -> list[list[tuple[int, float]]]:
         from workers.engine.reference import top_logprobs
 
-        wanted = [(r, int(self._active[s].request.sampling.logprobs or 0))
-                  for r, s in enumerate(rows) if self._active[s].request.sampling.logprobs]
-        out: list[list[tuple[int, float]]] = [[] for _ in rows]
+        wanted = [(r, int(seq.request.sampling.logprobs or 0))
+                  for r, seq in enumerate(seqs) if seq.request.sampling.logprobs]
+        out: list[list[tuple[int, float]]] = [[] for _ in seqs]
         if not wanted:
             return out
         k_max = min(max(k for _, k in wanted), logprobs.shape[-1])
@@ -383,8 +424,9 @@ class ContinuousBatcher:
             out[r] = list(zip(row_ids[:k], row_values[:k], strict=True))
         return out
 
-    def _retire(self, finished: list[int]) -> None:
-        """Remove finished slots; the last live slots move into the holes."""
+    def _retire(self, finished: list[int]) -> list[int]:
+        """Remove finished slots; the last live slots move into the holes. Returns rows:
+        new slot s holds the request that was in slot rows[s]. The caller delivers."""
         cache = self.engine._cache
         assert cache is not None
         gone = set(finished)
@@ -397,9 +439,11 @@ class ContinuousBatcher:
             cache.move_slot(src, dst)
         rows = [order.get(s, s) for s in range(n)]
         self._retiring += [self._active[s] for s in finished]
+        self._want_top -= sum(self._active[s].result.top_logprobs is not None
+                              for s in finished)
         self._active = [self._active[r] for r in rows]
         self._sampler.compact(rows)
-        self._deliver(block=False)
+        return rows
 
     def _deliver(self, *, block: bool) -> None:
         """Move retired sequences whose digests are all hashed to the finished list."""

@@ -125,8 +125,9 @@ class BatchSampler:
             self.in_prompt = self.in_prompt[index]
 
     def _rows(self, rows: Sequence[int] | None, n: int) -> Tensor:
-        return torch.tensor(list(range(n)) if rows is None else list(rows),
-                            device=self.device, dtype=torch.int64)
+        if rows is None:
+            return torch.arange(n, device=self.device)
+        return torch.tensor(list(rows), dtype=torch.int64).to(self.device, non_blocking=True)
 
     def record(self, tokens: Tensor, rows: Sequence[int] | None = None) -> None:
         """Count the tokens [B] just chosen (for frequency/presence/repetition penalties);
@@ -145,8 +146,11 @@ class BatchSampler:
         if not any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
                    or p.frequency_penalty != 0.0 for p in params):
             return logits
-        index = self._rows(rows, logits.shape[0])
-        counts, in_prompt = self.counts[index], self.in_prompt[index]
+        if rows is None:
+            counts, in_prompt = self.counts, self.in_prompt
+        else:
+            index = self._rows(rows, logits.shape[0])
+            counts, in_prompt = self.counts[index], self.in_prompt[index]
         rep = self._column([p.repetition_penalty for p in params])
         freq = self._column([p.frequency_penalty for p in params])
         pres = self._column([p.presence_penalty for p in params])
