@@ -42,3 +42,12 @@ class Unavailable(LedgerError):
 
 class BadRequest(LedgerError):
     code = "bad_request"
+
+
+class StoredTreeMismatch(LedgerError):
+    """What the database holds does not verify against the log's own signed checkpoint
+    (a stored tile, subtree hash or entry was changed): refuse to serve it. Not the
+    caller's fault, not retryable; ``ledger audit`` names what was changed."""
+
+    code = "log_integrity"
+

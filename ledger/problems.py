@@ -11,7 +11,15 @@ from ledger.core.errors import (
     ValidationFailed,
     VerificationError,
 )
-from ledger.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized, Unavailable
+from ledger.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    NotFound,
+    StoredTreeMismatch,
+    Unauthorized,
+    Unavailable,
+)
 
 PROBLEM_TYPE_PREFIX = "urn:inference-ledger:problem:"
 # The charset is stated so that clients which guess encodings for non-`application/json`
@@ -19,6 +27,7 @@ PROBLEM_TYPE_PREFIX = "urn:inference-ledger:problem:"
 MEDIA_TYPE = "application/problem+json; charset=utf-8"
 
 _STATUS_BY_CLASS: tuple[tuple[type[LedgerError], int], ...] = (
+    (StoredTreeMismatch, 500),
     (Unavailable, 503),
     (NotFound, 404),
     (TileNotFoundError, 404),
@@ -42,6 +51,7 @@ TITLES = {
     422: "Unprocessable content",
     424: "Failed dependency",
     429: "Too many requests",
+    500: "Internal server error",
     503: "Service unavailable",
 }
 

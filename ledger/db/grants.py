@@ -11,7 +11,7 @@ The grants follow what each component's code does:
   ``envelopes``, ``fingerprints``), reads, disputes (open, comment, resolve, each a signed
   ``dispute_events`` leaf), the job outbox sweep after a dispute is opened, admin paths
   (``signing_keys``, ``api_keys``, ``reverification_policies``, ``audit_events``), and the
-  integrator where ``LEDGER_INTEGRATE_IN_API`` is on (``tiles``, ``log_tree``,
+  integrator where ``LEDGER_INTEGRATE_IN_API`` is on (``tiles``, ``tile_nodes``, ``log_tree``,
   ``checkpoints``).
 - ``ledger_beat`` (``ledger beat``, which runs the integrator too): the outbox sweeper
   (jobs, attempts of lost workers, routing events on disputes), re-verification windows
@@ -47,12 +47,14 @@ ROLES = tuple(COMPONENT_ROLES.values())
 #: where they exist, so 0008 runs before and after they are filled in.
 OPTIONAL_TABLES = frozenset({"admin_events", "checkpoint_cosignatures", "witness_status",
                              "alerts",  # 0009: webhook alerts
-                             "tokenizers", "console_sessions"})  # 0011: the console
+                             "tokenizers", "console_sessions",  # 0011: the console
+                             "tile_nodes"})  # 0014: stored subtree hashes of full tiles
 
 _SEQUENCER = ("SELECT", "UPDATE (size)")                # log_state: lock and advance
 _INTEGRATOR = {
     "log_tree": ("SELECT", "UPDATE (size, root_hash, updated_at)"),
     "tiles": ("SELECT", "INSERT", "UPDATE (data)"),      # upsert; a tile only grows
+    "tile_nodes": ("SELECT", "INSERT"),                  # a full tile's nodes never change
     "checkpoints": ("SELECT", "INSERT"),
     "checkpoint_cosignatures": ("SELECT", "INSERT"),
     "witness_status": ("SELECT", "INSERT", "UPDATE"),
@@ -116,6 +118,7 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "signing_keys": ("SELECT",),
         "admin_events": ("SELECT",),  # the registry leaves that vouch for producer keys
         "tiles": ("SELECT",),
+        "tile_nodes": ("SELECT",),
         "checkpoints": ("SELECT",),
         "checkpoint_cosignatures": ("SELECT",),
         "workers": ("SELECT", "INSERT", "UPDATE (last_heartbeat, stopped_at)"),
@@ -130,8 +133,8 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
     AUDITOR: {t: ("SELECT",) for t in (
         "alembic_version", "log_state", "log_entries", "envelopes", "fingerprints",
         "signing_keys", "api_keys", "audit_events", "admin_events", "log_tree", "tiles",
-        "checkpoints", "checkpoint_cosignatures", "witness_status", "workers", "replay_jobs",
-        "replay_job_items", "job_attempts", "disputes", "dispute_events", "verdicts",
+        "tile_nodes", "checkpoints", "checkpoint_cosignatures", "witness_status", "workers",
+        "replay_jobs", "replay_job_items", "job_attempts", "disputes", "dispute_events", "verdicts",
         "reverification_policies", "reverification_runs", "alerts", "tokenizers",
         "console_sessions")},
 }

@@ -21,7 +21,8 @@ What is checked, in one pass over the entries in index order:
    recomputed root must equal the checkpoint's, whose note must carry a valid signature
    by a log key (with ``trust``: only the trust policy's log keys, never rows of
    ``signing_keys``); successive checkpoints must be consistent;
-7. the stored tiles must equal the recomputed ones;
+7. the stored tiles must equal the recomputed ones, and so must the stored subtree hashes
+   of full tiles (``tile_nodes``) that proofs are built from;
 8. with ``against`` (checkpoints saved outside the database), each saved checkpoint's
    signature is checked and its root must equal the recomputed root at its size. This is
    what catches a history rewritten consistently by someone holding the log key, and a
@@ -58,6 +59,7 @@ from ledger.core.registry import RegisteredKey
 from ledger.core.tiles import (
     FULL_TILE_BYTES,
     MemoryTileStore,
+    Tile,
     _mth_aligned,
     consistency_proof_from_tiles,
     integrate,
@@ -527,6 +529,10 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
         with conn.cursor(binary=True) as bcur:  # 32 MiB of tiles per 1M entries, not hex
             bcur.execute("SELECT level, idx, data FROM tiles")
             stored_tiles = {(r[0], r[1]): bytes(r[2]) for r in bcur.fetchall()}
+            stored_nodes: dict[tuple[int, int], bytes] = {}
+            if _table_exists(bcur, "tile_nodes"):  # 0014; as much again, of full tiles
+                bcur.execute("SELECT level, idx, nodes FROM tile_nodes")
+                stored_nodes = {(r[0], r[1]): bytes(r[2]) for r in bcur.fetchall()}
         by_kind = {k.kind: k for k in present}
         absent_kinds = {k.kind for k in LEAF_KINDS} - set(by_kind)
         saved = []
@@ -604,6 +610,7 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
                 take = min(len(pending), limit - size)
                 res = integrate(size, pending[:take], store)
                 store.write_tiles(res.tiles)
+                store.write_nodes(res.nodes)
                 size = res.size
                 pending = pending[take:]
                 roots[size] = res.root
@@ -699,6 +706,7 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
         report.fail("log_tree does not match the latest checkpoint")
     _check_tiles(report, stored_tiles, store,
                  min(db_cps[-1].size if db_cps else 0, report.tree_size), start)
+    _check_tile_nodes(report, stored_nodes, store, start)
     return report
 
 
@@ -848,6 +856,32 @@ def _check_tiles(report: AuditReport, stored: dict[tuple[int, int], bytes],
             return
 
 
+
+
+def _check_tile_nodes(report: AuditReport, stored: dict[tuple[int, int], bytes],
+                      store: MemoryTileStore, start: int = 0) -> None:
+    """The stored subtree hashes of full tiles (``tile_nodes``, what proofs are built
+    from) must equal those of the recomputed tree. With ``start`` (``--since``) only the
+    tiles that became full after it are recomputed; the older rows are left to the full
+    audit (and every proof built from them is verified against the signed root before it
+    is served). A row for a tile that is not full in the audited tree is reported too."""
+    recomputed = store.nodes()
+    before = {(t.level, t.index) for t in tiles_for_size(start) if not t.is_partial}
+    for key in sorted(stored, key=lambda k: (k[1] << (8 * k[0]), k[0])):
+        if key in before:
+            continue
+        level, idx = key
+        lo = (idx * 256) << (8 * level)
+        want = recomputed.get(key)
+        if want is None:
+            report.fail(f"stored subtree hashes of tile/{level}/{idx}: not a full tile of "
+                        "the audited tree", lo)
+            return
+        if stored[key] != want:
+            report.fail(f"stored subtree hashes of {Tile(level, idx).path} (tile_nodes) "
+                        "differ from the recomputed tree: proofs of entries "
+                        f"{lo}..{lo + (256 << (8 * level)) - 1} are refused", lo)
+            return
 
 
 def _check_stored_tree(report: AuditReport, stored: dict[tuple[int, int], bytes],

@@ -26,13 +26,11 @@ from ledger.core.bundle import FORMAT, header_bytes
 from ledger.core.keys import public_raw
 from ledger.core.note import format_verifier_key
 from ledger.core.statements import bundle_statement
-from ledger.core.tiles import Tile, inclusion_proof_from_tiles
 from ledger.db.models import SigningKey
 from ledger.db.session import raw_connection
 from ledger.errors import BadRequest
-from ledger.log.proofs import NotYetIntegrated
+from ledger.log.proofs import BundleProofs, NotYetIntegrated
 from ledger.log.signer import log_verifiers
-from ledger.log.store import PgTileReader
 from ledger.log.witnessing import export_checkpoint
 from ledger.producer import sign_statement
 from ledger.replay.records import Signer, require_signer
@@ -53,21 +51,6 @@ class Selection:
         d["request_ids"] = list(self.request_ids)
         return {k: (v.isoformat() if isinstance(v, datetime) else v) for k, v in d.items()
                 if v not in (None, [], ())}
-
-
-class CachingTileReader:
-    """Tiles near the top of the tree serve every proof of an export: read each once."""
-
-    def __init__(self, inner: PgTileReader) -> None:
-        self.inner = inner
-        self.cache: dict[Tile, bytes] = {}
-
-    def read_tiles(self, tiles: Sequence[Tile]) -> list[bytes]:
-        missing = [t for t in tiles if t not in self.cache]
-        if missing:
-            for t, data in zip(missing, self.inner.read_tiles(missing), strict=True):
-                self.cache[t] = data
-        return [self.cache[t] for t in tiles]
 
 
 def _b64(b: bytes) -> str:
@@ -135,25 +118,21 @@ def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = N
         digest = hashlib.sha256()
         count = 0
         with tempfile.TemporaryFile() as spool:
-            reader = CachingTileReader(PgTileReader(conn.cursor()))
+            proofs = BundleProofs(conn.cursor(), cp)
             for n, (kind, query) in enumerate(parts):
                 args = {"admin_event": [cp.tree_size], "envelope": params}.get(
                     kind, [*params, cp.tree_size])
-                with conn.cursor(name=f"export_{n}") as rows:
+                with conn.cursor(name=f"export_{n}", binary=True) as rows:
                     rows.itersize = 2000
                     rows.execute(f"{query} ORDER BY 1", args)
                     for log_index, ref, dsse_bytes in rows:
-                        proof = inclusion_proof_from_tiles(log_index, cp.tree_size, reader)
                         line = (b'{"log_index":%d,"kind":"%s","ref":%s,"dsse":%s,'
                                 b'"inclusion_proof":%s}\n' % (
                                     log_index, kind.encode(), json.dumps(ref).encode(),
-                                    bytes(dsse_bytes),
-                                    json.dumps([_b64(h) for h in proof]).encode()))
+                                    bytes(dsse_bytes), proofs.proof_json(log_index)))
                         digest.update(line)
                         spool.write(line)
                         count += 1
-                    if len(reader.cache) > 100_000:
-                        reader.cache.clear()
             manifest = {
                 "format": FORMAT, "origin": origin, "checkpoint": cp.note.decode(),
                 "log_keys": [format_verifier_key(v.name, v.public_key)

@@ -1,6 +1,6 @@
 """Postgres access for the log: every SQL statement over the log tables (``log_state``,
-``log_entries``, ``log_tree``, ``tiles``, ``checkpoints``) is here, over psycopg cursors
-(:func:`ledger.db.session.raw_cursor`; no ORM on the hot paths). The sequencer, the
+``log_entries``, ``log_tree``, ``tiles``, ``tile_nodes``, ``checkpoints``) is here, over
+psycopg cursors (:func:`ledger.db.session.raw_cursor`; no ORM on the hot paths). The sequencer, the
 integrator, the proofs and the tlog-tiles routes call these; ``ledger.log.audit`` still
 reads the tables itself (its streaming pass is being tuned separately)."""
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from ledger.core.errors import TileNotFoundError
 from ledger.core.merkle import HASH_SIZE
-from ledger.core.tiles import FULL_TILE_BYTES, Tile
+from ledger.core.tiles import FULL_TILE_BYTES, TILE_NODES_BYTES, Tile
 
 
 class FullTileCache:
@@ -47,15 +47,49 @@ class FullTileCache:
 FULL_TILES = FullTileCache()
 
 
+class SubtreeCache:
+    """Process-wide hashes of full subtrees, keyed by (tree level, index) per database.
+
+    A full subtree's hash never changes once its leaves exist, whatever the tree size, so
+    the hashes near the top of the tree, which every proof needs, are computed or read
+    once. What is cached came from the database: the proofs built from it are verified
+    against the signed root before they are served, and a failure clears the database's
+    entries (:meth:`forget`). Bounded: when full, a database's entries are dropped."""
+
+    def __init__(self, capacity: int = 200_000) -> None:  # ~30 MiB of dict at capacity
+        self.capacity = capacity
+        self._scopes: dict[str, dict[tuple[int, int], bytes]] = {}
+        self._lock = threading.Lock()
+
+    def for_scope(self, scope: str) -> dict[tuple[int, int], bytes]:
+        with self._lock:
+            memo = self._scopes.get(scope)
+            if memo is None or len(memo) > self.capacity:
+                memo = self._scopes[scope] = {}
+            return memo
+
+    def forget(self, scope: str) -> None:
+        with self._lock:
+            self._scopes.pop(scope, None)
+
+
+SUBTREES = SubtreeCache()
+
+
+def database_scope(cursor: Any) -> str:
+    """Which database a cursor talks to: one process-wide cache, many databases."""
+    info = cursor.connection.info
+    return f"{info.host}:{info.port}/{info.dbname}"
+
+
 class PgTileReader:
-    """A :class:`ledger.core.tiles.TileReader` over the ``tiles`` table (one query for
-    whatever the process-wide full-tile cache does not hold)."""
+    """A :class:`ledger.core.tiles.TileNodeReader` over the ``tiles`` and ``tile_nodes``
+    tables (one query for whatever the process-wide full-tile cache does not hold)."""
 
     def __init__(self, cursor: Any, cache: FullTileCache | None = FULL_TILES) -> None:
         self.cur = cursor
         self.cache = cache
-        info = cursor.connection.info
-        self.scope = f"{info.host}:{info.port}/{info.dbname}"  # one cache, many databases
+        self.scope = database_scope(cursor)
 
     def read_tiles(self, tiles: Sequence[Tile]) -> list[bytes]:
         if not tiles:
@@ -87,6 +121,30 @@ class PgTileReader:
             out.append(data[:need])
         return out
 
+    def read_tiles_and_nodes(self, tiles: Sequence[Tile]) -> list[tuple[bytes, bytes | None]]:
+        """Tiles with the stored nodes of the full ones, in one query (not cached: the
+        subtree cache keeps what a proof needs of them)."""
+        if not tiles:
+            return []
+        self.cur.execute(
+            "SELECT want.level, want.idx, t.data, n.nodes "
+            "FROM unnest(%s::smallint[], %s::bigint[]) AS want(level, idx) "
+            "JOIN tiles t ON t.level = want.level AND t.idx = want.idx "
+            "LEFT JOIN tile_nodes n ON n.level = want.level AND n.idx = want.idx",
+            ([t.level for t in tiles], [t.index for t in tiles]))
+        found = {(level, idx): (bytes(data), bytes(nodes) if nodes is not None else None)
+                 for level, idx, data, nodes in self.cur.fetchall()}
+        out: list[tuple[bytes, bytes | None]] = []
+        for t in tiles:
+            data, nodes = found.get((t.level, t.index), (b"", None))
+            need = t.width * HASH_SIZE
+            if len(data) < need:
+                raise TileNotFoundError(f"tile {t.path} is not stored")
+            full = need == FULL_TILE_BYTES
+            out.append((data[:need], nodes if full and nodes is not None
+                        and len(nodes) == TILE_NODES_BYTES else None))
+        return out
+
 
 def write_tiles(cursor: Any, tiles: Mapping[Tile, bytes]) -> None:
     """Upsert tiles; a stored tile only ever grows (a narrower write never shrinks it)."""
@@ -97,6 +155,16 @@ def write_tiles(cursor: Any, tiles: Mapping[Tile, bytes]) -> None:
         "INSERT INTO tiles (level, idx, data) VALUES (%s, %s, %s) "
         "ON CONFLICT (level, idx) DO UPDATE SET data = EXCLUDED.data "
         "WHERE octet_length(EXCLUDED.data) > octet_length(tiles.data)", rows)
+
+
+def write_tile_nodes(cursor: Any, nodes: Mapping[Tile, bytes]) -> None:
+    """Store the nodes of tiles that became full; a full tile's nodes are never rewritten."""
+    if not nodes:
+        return
+    cursor.executemany(
+        "INSERT INTO tile_nodes (level, idx, nodes) VALUES (%s, %s, %s) "
+        "ON CONFLICT (level, idx) DO NOTHING",
+        [(t.level, t.index, data) for t, data in nodes.items()])
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +179,24 @@ def latest_checkpoint(cursor: Any) -> StoredCheckpoint | None:
                    "ORDER BY tree_size DESC LIMIT 1")
     row = cursor.fetchone()
     return StoredCheckpoint(row[0], bytes(row[1]), bytes(row[2])) if row else None
+
+
+def checkpoint_and_entry(cursor: Any, size: int | None, index: int
+                         ) -> tuple[StoredCheckpoint | None, bytes | None]:
+    """The checkpoint of ``size`` (None: the latest) and log entry ``index``, in one round
+    trip (an inclusion proof needs both)."""
+    cp_where = ("ORDER BY tree_size DESC LIMIT 1" if size is None
+                else "WHERE tree_size = %(size)s")
+    cursor.execute(
+        "SELECT c.tree_size, c.root_hash, c.note, e.entry FROM "  # noqa: S608 - ours
+        f"(SELECT tree_size, root_hash, note FROM checkpoints {cp_where}) c "
+        "FULL JOIN (SELECT entry FROM log_entries WHERE idx = %(index)s) e ON true",
+        {"size": size, "index": index})
+    row = cursor.fetchone()
+    if row is None:
+        return None, None
+    cp = StoredCheckpoint(row[0], bytes(row[1]), bytes(row[2])) if row[0] is not None else None
+    return cp, bytes(row[3]) if row[3] is not None else None
 
 
 def checkpoint_at(cursor: Any, size: int) -> StoredCheckpoint | None:
