@@ -48,11 +48,14 @@ from ledger.core import dsse, jsonstrict
 from ledger.core.envelope import STATEMENT_TYPE
 from ledger.core.errors import LedgerError, VerificationError
 from ledger.core.keys import key_id
-from ledger.core.logentry import verify_record_included
+from ledger.core.logentry import dsse_digest, log_entry_bytes
+from ledger.core.merkle import HASH_SIZE, NODE_PREFIX, leaf_hash, verify_inclusion
 from ledger.core.note import Checkpoint, NoteVerifier, open_checkpoint, parse_verifier_key
 from ledger.core.registry import RegisteredKey, Registry, RegistryError, open_admin_event
 from ledger.core.statements import BUNDLE_PREDICATE_TYPE
 from ledger.core.trust import TrustPolicy
+
+_sha256 = hashlib.sha256
 
 FORMAT = "inference-ledger-bundle/v2"
 #: Which key purposes may sign each record kind. Dispute events are signed by whoever
@@ -309,12 +312,12 @@ def _verify(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str, 
         payload_ref = _payload_ref(kind, payload)
         if payload_ref != ref:
             raise BundleError(f"the signed payload names {payload_ref!r}, the record {ref!r}")
-        proof = [_b64(h, "inclusion_proof item") for h in rec["inclusion_proof"]] \
-            if isinstance(rec["inclusion_proof"], list) else None
-        if proof is None:
+        items = rec["inclusion_proof"]
+        if not isinstance(items, list):
             raise BundleError("inclusion_proof must be a list")
-        verify_record_included(kind, ref, env.canonical_bytes(), index,
-                               header.checkpoint.size, header.checkpoint.root_hash, proof)
+        entry = log_entry_bytes(kind, ref, dsse_digest(env.canonical_bytes()))
+        proven_nodes(header.checkpoint.size, header.checkpoint.root_hash).check(
+            leaf_hash(entry), index, items)
         if kind == "admin_event":
             event = open_admin_event(env, key_for)
             return index, kind, event.predicate
@@ -371,6 +374,98 @@ def _payload_ref(kind: str, payload: Any) -> str | None:
            "admin_event": "event_id"}[kind]
     value = pred.get(key)
     return value if isinstance(value, str) else None
+
+
+class ProvenNodes:
+    """Inclusion proofs of many records against one (size, root), checked with what the
+    earlier ones proved: the subtree hashes computed on a verified path, each with the
+    proof items (base64, as the bundle spells them) that led from it to the root.
+
+    A bundle's records are in index order, so neighbours share all but the lowest few
+    hashes of their paths. A record's path is hashed from its leaf up only until it meets
+    a subtree hash already proven to lead to the root; the rest of its items must be the
+    ones that proved it (compared as strings, not decoded). Anything else (a different
+    hash there, an unfamiliar item, a wrong length, an index outside the tree) falls back
+    to :func:`verify_inclusion` on the whole decoded proof, so what is accepted and the
+    errors raised are exactly those of checking every proof on its own."""
+
+    LIMIT = 100_000  # remembered subtree hashes; then start over
+
+    def __init__(self, size: int, root: bytes) -> None:
+        self.size, self.root = size, root
+        self.nodes: dict[tuple[int, int], tuple[bytes, list[Any]]] = {}
+
+    def check(self, leaf: bytes, index: int, items: list[Any]) -> None:
+        if (isinstance(index, int) and not isinstance(index, bool) and 0 <= index < self.size
+                and self._walk(leaf, index, items)):
+            return
+        proof = [_b64(h, "inclusion_proof item") for h in items]
+        verify_inclusion(leaf, index, self.size, proof, self.root)
+        self._walk(leaf, index, items, proof)  # remember the path it proved
+
+    def _walk(self, leaf: bytes, index: int, items: list[Any],
+              proof: list[bytes] | None = None) -> bool:
+        """Hash up from ``leaf`` (RFC 9162's tree, bottom up: a node with no right
+        neighbour inside the tree is carried up unchanged) until a proven node or the
+        root; True, remembering the new nodes, when that proves the record. With
+        ``proof`` (already verified) it only remembers."""
+        size, nodes = self.size, self.nodes
+        new: list[tuple[tuple[int, int], bytes, int]] = []
+        h, k, j = leaf, 0, 0
+        while True:
+            lo = (index >> j) << j
+            hi = min(lo + (1 << j), size)
+            if lo == 0 and hi == size:
+                if proof is None and (h != self.root or k != len(items)):
+                    return False
+                break
+            if k:
+                known = nodes.get((lo, hi))
+                if known is not None:
+                    if proof is None and (known[0] != h or items[k:] != known[1]):
+                        return False
+                    break
+            if (index >> j) & 1 or hi < size:
+                if k >= len(items):
+                    return False
+                if proof is not None:
+                    sibling = proof[k]
+                else:
+                    item = items[k]
+                    if not isinstance(item, str) or len(item) != 44:
+                        return False
+                    try:
+                        sibling = binascii.a2b_base64(item.encode("ascii"), strict_mode=True)
+                    except (binascii.Error, ValueError):
+                        return False
+                    if len(sibling) != HASH_SIZE:
+                        return False
+                if (index >> j) & 1:
+                    h = _sha256(NODE_PREFIX + sibling + h).digest()
+                else:
+                    h = _sha256(NODE_PREFIX + h + sibling).digest()
+                k += 1
+                up = j + 1
+                new.append((((index >> up) << up, min(((index >> up) + 1) << up, size)), h,
+                            k))
+            j += 1
+        if len(nodes) > self.LIMIT:
+            nodes.clear()
+        for key, node, at in new:
+            nodes[key] = (node, items[at:])
+        return True
+
+
+_PROVEN: dict[tuple[int, bytes], ProvenNodes] = {}
+
+
+def proven_nodes(size: int, root: bytes) -> ProvenNodes:
+    """This process's :class:`ProvenNodes` for the tree (size, root)."""
+    found = _PROVEN.get((size, root))
+    if found is None:
+        _PROVEN.clear()
+        found = _PROVEN[(size, root)] = ProvenNodes(size, root)
+    return found
 
 
 ChunkResult = list[tuple[int, str, int]]

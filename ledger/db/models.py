@@ -195,6 +195,17 @@ class TileRow(Base):
                                       "AND octet_length(data) % 32 = 0", name="data_len"),)
 
 
+class TileNodesRow(Base):
+    """The 255 subtree hashes inside each full tile (``ledger.core.tiles.tile_nodes``):
+    derived, never changed, checked against the signed root whenever a proof uses them."""
+
+    __tablename__ = "tile_nodes"
+    level: Mapped[int] = mapped_column(SmallInteger, primary_key=True, autoincrement=False)
+    idx: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    nodes: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    __table_args__ = (CheckConstraint("octet_length(nodes) = 8160", name="nodes_len"),)
+
+
 class CheckpointRow(Base):
     """Every checkpoint the log has published (append-only)."""
 

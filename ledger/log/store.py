@@ -72,6 +72,10 @@ class SubtreeCache:
         with self._lock:
             self._scopes.pop(scope, None)
 
+    def forget_all(self) -> None:
+        with self._lock:
+            self._scopes.clear()
+
 
 SUBTREES = SubtreeCache()
 
