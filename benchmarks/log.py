@@ -441,7 +441,7 @@ def _before_inclusion(session: Any, index: int) -> None:
 
 
 def proofs_benchmark(n: int, keep: str, samples: int, http_samples: int,
-                     export: bool) -> list[list[object]]:
+                     export: bool, export_rounds: int = 2) -> list[list[object]]:
     """Proof latency at ``n`` entries (in-process and over HTTP) and a whole-log export,
     on the kept log ``keep`` (built by :func:`audit_log` when missing; upgraded to
     head, which fills ``tile_nodes`` for a log built before migration 0014). Same-run
@@ -489,6 +489,7 @@ def proofs_benchmark(n: int, keep: str, samples: int, http_samples: int,
                 proofs.consistency(s, m, None)
                 lat["consistency"].append(time.perf_counter() - t)
         base = pct(lat["select"], 50)
+        print("in-process done", flush=True)
         for key, label in (("select", "baseline: point SELECT of one log entry"),
                            ("before", "inclusion proof before (recomputed subtrees)"),
                            ("inclusion", "inclusion proof, in-process (verified)"),
@@ -524,7 +525,8 @@ def proofs_benchmark(n: int, keep: str, samples: int, http_samples: int,
                          f"x{pct(http_lat[name], 50) / hbase:.2f} of the checkpoint GET"])
         if export:
             rows += export_benchmark(engine, pg_url, Signer(
-                generate_private_key(), "ledger", "ledger-service"), Selection(), bundle_lines)
+                generate_private_key(), "ledger", "ledger-service"), Selection(), bundle_lines,
+                export_rounds)
     return rows
 
 
@@ -607,6 +609,7 @@ def main() -> None:
                     help="run only the proof latency and export comparison, on the audit's "
                          "log (--audit-db, --audit-entries)")
     ap.add_argument("--http-samples", type=int, default=2000)
+    ap.add_argument("--export-rounds", type=int, default=2)
     ap.add_argument("--no-export", action="store_true",
                     help="with --only-proofs: skip the whole-log export")
     args = ap.parse_args()
@@ -615,7 +618,7 @@ def main() -> None:
             sys.exit("--only-proofs needs --audit-db NAME (a log kept between runs)")
         print(f"machine: {machine()}")
         rows = proofs_benchmark(args.audit_entries, args.audit_db, args.samples,
-                                args.http_samples, not args.no_export)
+                                args.http_samples, not args.no_export, args.export_rounds)
         print(table(["measurement", "p50 / rate", "p99 / time", "vs same-run baseline"], rows))
         return
     if args.only_incremental:

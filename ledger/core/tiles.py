@@ -26,7 +26,7 @@ import hashlib
 import re
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, cast
 
 from ledger.core.errors import TileFormatError, TileNotFoundError, TreeRangeError
 from ledger.core.merkle import (
@@ -238,7 +238,6 @@ class TileReader(Protocol):
         ...
 
 
-@runtime_checkable
 class TileNodeReader(TileReader, Protocol):
     """A :class:`TileReader` that may also hold the :func:`tile_nodes` of full tiles."""
 
@@ -376,9 +375,10 @@ def _read_checked(reader: TileReader, tiles: list[Tile]) -> dict[Tile, bytes]:
 
 def _read_with_nodes(reader: TileReader, tiles: list[Tile]
                      ) -> dict[Tile, tuple[bytes, bytes | None]]:
-    if not isinstance(reader, TileNodeReader):
+    # hasattr, not isinstance: a runtime Protocol check costs more than the lookups
+    if not hasattr(reader, "read_tiles_and_nodes"):
         return {t: (d, None) for t, d in _read_checked(reader, tiles).items()}
-    got = reader.read_tiles_and_nodes(tiles)
+    got = cast(TileNodeReader, reader).read_tiles_and_nodes(tiles)
     if len(got) != len(tiles):
         raise TileFormatError(f"tile reader returned {len(got)} tiles for {len(tiles)}")
     for t, (d, nodes) in zip(tiles, got, strict=True):
@@ -477,6 +477,21 @@ def inclusion_proof_from_tiles(
     :func:`_subtree_hashes`). Hashes come from storage: check the proof against the signed
     root before serving it."""
     return _range_hashes(size, inclusion_proof_ranges(index, size), reader, memo)
+
+
+def consistency_proof_and_old_root_from_tiles(
+    old_size: int,
+    new_size: int,
+    reader: TileReader,
+    memo: MutableMapping[tuple[int, int], bytes] | None = None,
+) -> tuple[list[bytes], bytes]:
+    """PROOF(m, D[0:n]) and MTH(D[0:m]), from one read of the tiles of the tree of
+    ``new_size`` (to check the proof where no checkpoint of ``old_size`` exists)."""
+    ranges = consistency_proof_ranges(old_size, new_size)
+    if old_size == 0:
+        return _range_hashes(new_size, ranges, reader, memo), EMPTY_ROOT
+    *proof, old_root = _range_hashes(new_size, [*ranges, (0, old_size)], reader, memo)
+    return proof, old_root
 
 
 def subtree_path_from_tiles(

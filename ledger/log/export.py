@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
@@ -115,6 +115,21 @@ def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = N
                               f"JOIN ({sel}) s ON s.log_index = d.envelope_index "
                               f"WHERE e.log_index < %s"),
         ]
+        if len(where) == 1 and not limit:
+            # The whole log: the same records, each table read in index order (a join of
+            # every envelope with itself would sort the whole log's DSSE bytes first).
+            in_log = ("EXISTS (SELECT 1 FROM envelopes v WHERE v.log_index = {col} "
+                      "AND v.log_index < %s)")
+            parts[1] = ("envelope", "SELECT v.log_index, v.request_id, v.dsse FROM envelopes v "
+                                    "WHERE v.log_index < %s")
+            verdicts_in = in_log.format(col="r.envelope_index")
+            events_in = in_log.format(col="d.envelope_index")
+            parts[2] = ("verdict", "SELECT r.log_index, r.verdict_id, r.dsse "  # noqa: S608
+                                   f"FROM verdicts r WHERE {verdicts_in} AND r.log_index < %s")
+            parts[3] = ("dispute_event", "SELECT e.log_index, e.event_id, e.dsse "  # noqa: S608
+                                         "FROM dispute_events e JOIN disputes d "
+                                         f"ON d.id = e.dispute_id WHERE {events_in} "
+                                         "AND e.log_index < %s")
         digest = hashlib.sha256()
         count = 0
         with tempfile.TemporaryFile() as spool:
@@ -128,7 +143,7 @@ def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = N
                     for log_index, ref, dsse_bytes in rows:
                         line = (b'{"log_index":%d,"kind":"%s","ref":%s,"dsse":%s,'
                                 b'"inclusion_proof":%s}\n' % (
-                                    log_index, kind.encode(), json.dumps(ref).encode(),
+                                    log_index, kind.encode(), orjson.dumps(ref),
                                     bytes(dsse_bytes), proofs.proof_json(log_index)))
                         digest.update(line)
                         spool.write(line)

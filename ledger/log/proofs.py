@@ -12,6 +12,7 @@ SHA-256 calls; building the proof from the cache and one tile read costs a few m
 from __future__ import annotations
 
 import base64
+from binascii import b2a_base64
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -26,9 +27,8 @@ from ledger.core.tiles import (
     TILE_HEIGHT,
     TILE_WIDTH,
     Tile,
-    consistency_proof_from_tiles,
+    consistency_proof_and_old_root_from_tiles,
     inclusion_proof_from_tiles,
-    root_from_tiles,
     subtree_path_from_tiles,
     tile_node_offset,
     tile_nodes,
@@ -42,6 +42,7 @@ from ledger.log.store import (
     StoredCheckpoint,
     checkpoint_and_entry,
     checkpoint_at,
+    checkpoints_for_consistency,
     database_scope,
     latest_checkpoint,
 )
@@ -162,24 +163,23 @@ def inclusion(session: Session, log_index: int, tree_size: int | None = None) ->
 
 def consistency(session: Session, old_size: int, new_size: int | None) -> dict[str, Any]:
     with raw_cursor(session) as cur:
-        new_cp = checkpoint_for(cur, new_size)
+        new_stored, old_stored = checkpoints_for_consistency(cur, new_size, old_size)
+        new_cp = signed_checkpoint(_found(new_stored, new_size))
         if old_size > new_cp.tree_size:
             raise TreeRangeError(f"from={old_size} is larger than to={new_cp.tree_size}")
-        old_stored = checkpoint_at(cur, old_size) if old_size else None
-        old_cp = signed_checkpoint(old_stored) if old_stored else None
+        old_cp = signed_checkpoint(old_stored) if old_stored and old_size else None
         reader = PgTileReader(cur)
 
         def build(memo: dict[tuple[int, int], bytes] | None) -> tuple[list[bytes], bytes]:
-            proof = consistency_proof_from_tiles(old_size, new_cp.tree_size, reader, memo)
             # Without a checkpoint at old_size the old root comes from the same stored
             # tree; the proof must still lead to the signed new root, which (unless
             # SHA-256 collides) only the true hashes do.
-            old_root = old_cp.root_hash if old_cp else root_from_tiles(
-                old_size, reader, memo, tree_size=new_cp.tree_size)
-            return proof, old_root
+            return consistency_proof_and_old_root_from_tiles(old_size, new_cp.tree_size,
+                                                             reader, memo)
 
         def check(built: tuple[list[bytes], bytes]) -> None:
-            verify_consistency(old_size, new_cp.tree_size, built[0], built[1],
+            old_root = old_cp.root_hash if old_cp else built[1]
+            verify_consistency(old_size, new_cp.tree_size, built[0], old_root,
                                new_cp.root_hash)
 
         proof, _ = _verified(build, check, cur,
@@ -193,6 +193,12 @@ def consistency(session: Session, old_size: int, new_size: int | None) -> dict[s
         "old_checkpoint": old_cp.note.decode() if old_cp else None,
         "new_checkpoint": new_cp.note.decode(),
     }
+
+
+#: (in-tile level j, where level j starts in a tile's 511 hashes laid flat: its 256
+#: leaves, then :func:`tile_nodes`), for j = 0..7: node k of level j is at base + k.
+_SIBLINGS = tuple((j, TILE_WIDTH + tile_node_offset(j, 0) // HASH_SIZE if j else 0)
+                  for j in range(TILE_HEIGHT))
 
 
 class BundleProofs:
@@ -234,9 +240,14 @@ class BundleProofs:
             self._enter(tile)
         self._used += 1
         pos = index & (TILE_WIDTH - 1)
-        parts = [self._encoded(0, pos ^ 1)]
-        for j in range(1, TILE_HEIGHT):
-            parts.append(self._encoded(j, (pos >> j) ^ 1))
+        enc = self._enc
+        parts = []
+        for j, base in _SIBLINGS:  # the sibling at in-tile level j, in the flat layout
+            at = base + ((pos >> j) ^ 1)
+            found = enc[at]
+            if found is None:
+                found = enc[at] = b2a_base64(self._flat(at), newline=False)
+            parts.append(found)
         if not self._dense:
             self._check_inside(pos)
         return b'["' + b'","'.join(parts) + self._above
@@ -252,8 +263,8 @@ class BundleProofs:
         data, nodes = self._ahead.pop(tile)
         if self._dense or nodes is None:
             nodes = tile_nodes(data)  # derived from the leaves: checked by construction
-        self._data, self._nodes = data, nodes
-        self._b64: dict[tuple[int, int], bytes] = {}
+        self._all = data + nodes  # the 511 hashes: leaves, then tile_nodes' order
+        self._enc: list[bytes | None] = [None] * (2 * TILE_WIDTH - 1)
         self._hash = nodes[-HASH_SIZE:]
         above = subtree_path_from_tiles(TILE_HEIGHT, tile, self.size, self.reader, self.memo)
         try:
@@ -263,24 +274,15 @@ class BundleProofs:
                 f"the stored tree above entries {tile << TILE_HEIGHT}.."
                 f"{(tile << TILE_HEIGHT) + TILE_WIDTH - 1} does not verify against the "
                 "signed checkpoint; run `ledger audit`") from None
-        self._above = b"".join(b'","' + base64.b64encode(h) for h in above) + b'"]'
+        self._above = b"".join(b'","' + b2a_base64(h, newline=False) for h in above) + b'"]'
 
-    def _hash_at(self, j: int, k: int) -> bytes:
-        if j == 0:
-            return self._data[k * HASH_SIZE : (k + 1) * HASH_SIZE]
-        at = tile_node_offset(j, k)
-        return self._nodes[at : at + HASH_SIZE]
-
-    def _encoded(self, j: int, k: int) -> bytes:
-        found = self._b64.get((j, k))
-        if found is None:
-            found = self._b64[(j, k)] = base64.b64encode(self._hash_at(j, k))
-        return found
+    def _flat(self, at: int) -> bytes:
+        return self._all[at * HASH_SIZE : (at + 1) * HASH_SIZE]
 
     def _check_inside(self, pos: int) -> None:
-        h = self._hash_at(0, pos)
-        for j in range(TILE_HEIGHT):
-            sibling = self._hash_at(j, (pos >> j) ^ 1)
+        h = self._flat(pos)
+        for j, base in _SIBLINGS:
+            sibling = self._flat(base + ((pos >> j) ^ 1))
             h = node_hash(sibling, h) if (pos >> j) & 1 else node_hash(h, sibling)
         if h != self._hash:
             first = self._tile << TILE_HEIGHT

@@ -111,7 +111,7 @@ class PgTileReader:
                 "SELECT t.level, t.idx, t.data FROM tiles t "
                 "JOIN unnest(%s::smallint[], %s::bigint[]) AS want(level, idx) "
                 "ON t.level = want.level AND t.idx = want.idx",
-                ([t.level for t in want], [t.index for t in want]))
+                _int_arrays(want))
             for level, idx, data in self.cur.fetchall():
                 found[(level, idx)] = bytes(data)
                 if self.cache:
@@ -130,14 +130,15 @@ class PgTileReader:
         subtree cache keeps what a proof needs of them)."""
         if not tiles:
             return []
-        self.cur.execute(
-            "SELECT want.level, want.idx, t.data, n.nodes "
-            "FROM unnest(%s::smallint[], %s::bigint[]) AS want(level, idx) "
-            "JOIN tiles t ON t.level = want.level AND t.idx = want.idx "
-            "LEFT JOIN tile_nodes n ON n.level = want.level AND n.idx = want.idx",
-            ([t.level for t in tiles], [t.index for t in tiles]))
-        found = {(level, idx): (bytes(data), bytes(nodes) if nodes is not None else None)
-                 for level, idx, data, nodes in self.cur.fetchall()}
+        with self.cur.connection.cursor(binary=True) as bcur:  # 16 KiB a tile, not hex
+            bcur.execute(
+                "SELECT want.level, want.idx, t.data, n.nodes "
+                "FROM unnest(%s::text::smallint[], %s::text::bigint[]) AS want(level, idx) "
+                "JOIN tiles t ON t.level = want.level AND t.idx = want.idx "
+                "LEFT JOIN tile_nodes n ON n.level = want.level AND n.idx = want.idx",
+                _int_arrays(tiles))
+            found = {(level, idx): (bytes(data), bytes(nodes) if nodes is not None else None)
+                     for level, idx, data, nodes in bcur.fetchall()}
         out: list[tuple[bytes, bytes | None]] = []
         for t in tiles:
             data, nodes = found.get((t.level, t.index), (b"", None))
@@ -148,6 +149,31 @@ class PgTileReader:
             out.append((data[:need], nodes if full and nodes is not None
                         and len(nodes) == TILE_NODES_BYTES else None))
         return out
+
+
+def _int_arrays(tiles: Sequence[Tile]) -> tuple[str, str]:
+    """The tiles' levels and indices as array literals (psycopg's list adaptation
+    inspects every element: a quarter of a millisecond per proof)."""
+    levels = ",".join(str(t.level) for t in tiles)
+    indices = ",".join(str(t.index) for t in tiles)
+    return f"{{{levels}}}", f"{{{indices}}}"
+
+
+def checkpoints_for_consistency(cursor: Any, new_size: int | None, old_size: int
+                                ) -> tuple[StoredCheckpoint | None, StoredCheckpoint | None]:
+    """The checkpoint of ``new_size`` (None: the latest) and the one of ``old_size`` if
+    there is one, in one round trip."""
+    new_where = ("tree_size = (SELECT max(tree_size) FROM checkpoints)" if new_size is None
+                 else "tree_size = %(new)s")
+    cursor.execute("SELECT tree_size, root_hash, note FROM checkpoints "  # noqa: S608 - ours
+                   f"WHERE {new_where} OR tree_size = %(old)s", {"new": new_size, "old": old_size})
+    rows = [StoredCheckpoint(r[0], bytes(r[1]), bytes(r[2])) for r in cursor.fetchall()]
+    if new_size is None:
+        new = max(rows, key=lambda c: c.tree_size) if rows else None
+    else:
+        new = next((c for c in rows if c.tree_size == new_size), None)
+    old = next((c for c in rows if c.tree_size == old_size), None)
+    return new, old
 
 
 def write_tiles(cursor: Any, tiles: Mapping[Tile, bytes]) -> None:
