@@ -498,6 +498,10 @@ def proofs_benchmark(n: int, keep: str, samples: int, http_samples: int,
                          f"{pct(lat[key], 99) * 1e3:.3f} ms",
                          f"x{pct(lat[key], 50) / base:.2f} of the SELECT"])
 
+        print(table(["measurement", "p50", "p99", "vs same-run baseline"], rows), flush=True)
+        with psycopg.connect(pg_url) as conn:  # a kept log: last run's API keys go
+            conn.execute("UPDATE api_keys SET revoked_at = now() "
+                         "WHERE name LIKE 'test-%%' AND revoked_at IS NULL")
         keys, _ = provision(url)
         with run_server(url, extra_env={"LEDGER_LOG_NAME": AUDIT_ORIGIN,
                                         "LEDGER_METRICS_PORT": "0"}) as server, \
