@@ -389,7 +389,7 @@ class ProvenNodes:
     to :func:`verify_inclusion` on the whole decoded proof, so what is accepted and the
     errors raised are exactly those of checking every proof on its own."""
 
-    LIMIT = 100_000  # remembered subtree hashes; then start over
+    LIMIT = 4096  # remembered subtree hashes (a few paths suffice in index order); then afresh
 
     def __init__(self, size: int, root: bytes) -> None:
         self.size, self.root = size, root
