@@ -47,7 +47,9 @@ ROLES = tuple(COMPONENT_ROLES.values())
 #: where they exist, so 0008 runs before and after they are filled in.
 OPTIONAL_TABLES = frozenset({"admin_events", "checkpoint_cosignatures", "witness_status",
                              "alerts",  # 0009: webhook alerts
-                             "tokenizers", "console_sessions"})  # 0011: the console
+                             "tokenizers", "console_sessions",  # 0011: the console
+                             "data_keys", "erasures", "erased_keys",  # 0015: erasure
+                             "retention_policies"})
 
 _SEQUENCER = ("SELECT", "UPDATE (size)")                # log_state: lock and advance
 _INTEGRATOR = {
@@ -56,6 +58,11 @@ _INTEGRATOR = {
     "checkpoints": ("SELECT", "INSERT"),
     "checkpoint_cosignatures": ("SELECT", "INSERT"),
     "witness_status": ("SELECT", "INSERT", "UPDATE"),
+}
+#: 0015: erasure leaves and their key records (append-only; each erasure appends one leaf)
+_SEALING = {
+    "erasures": ("SELECT", "INSERT"),
+    "erased_keys": ("SELECT", "INSERT"),
 }
 _SWEEPER = {
     "workers": ("SELECT",),
@@ -89,6 +96,11 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "alerts": ("SELECT",),
         "tokenizers": ("SELECT", "INSERT"),                          # 0011: the console
         "console_sessions": ("SELECT", "INSERT", "DELETE"),
+        **_SEALING,
+        # 0015: the admin erasure path destroys data keys (a trigger allows a delete only
+        # for a key an erased_keys row of a signed erasure leaf names)
+        "data_keys": ("SELECT", "INSERT", "DELETE"),
+        "retention_policies": ("SELECT", "INSERT", "UPDATE (enabled)", "DELETE"),
     },
     BEAT: {
         "alembic_version": ("SELECT",),
@@ -107,6 +119,10 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "reverification_runs": ("SELECT", "INSERT", "UPDATE (sampled)"),
         "alerts": ("SELECT", "INSERT",
                    "UPDATE (attempts, next_attempt_at, delivered_at, last_error)"),
+        # 0015: retention (erase what is older than a policy's window) runs from beat
+        **_SEALING,
+        "data_keys": ("SELECT", "DELETE"),
+        "retention_policies": ("SELECT",),
     },
     WORKER: {
         "alembic_version": ("SELECT",),
@@ -126,6 +142,10 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "disputes": ("SELECT", "UPDATE (state, state_reason, updated_at, verdict_id)"),
         "dispute_events": ("SELECT", "INSERT"),
         "verdicts": ("SELECT", "INSERT"),
+        # 0015: a worker opens sealed envelopes (and sees which were erased)
+        "data_keys": ("SELECT",),
+        "erasures": ("SELECT",),
+        "erased_keys": ("SELECT",),
     },
     AUDITOR: {t: ("SELECT",) for t in (
         "alembic_version", "log_state", "log_entries", "envelopes", "fingerprints",
@@ -133,7 +153,7 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "checkpoints", "checkpoint_cosignatures", "witness_status", "workers", "replay_jobs",
         "replay_job_items", "job_attempts", "disputes", "dispute_events", "verdicts",
         "reverification_policies", "reverification_runs", "alerts", "tokenizers",
-        "console_sessions")},
+        "console_sessions", "data_keys", "erasures", "erased_keys", "retention_policies")},
 }
 
 def grant_statements(grants: Mapping[str, Mapping[str, tuple[str, ...]]] = GRANTS,
