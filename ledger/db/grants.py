@@ -99,7 +99,9 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         **_SEALING,
         # 0015: the admin erasure path destroys data keys (a trigger allows a delete only
         # for a key an erased_keys row of a signed erasure leaf names)
-        "data_keys": ("SELECT", "INSERT", "DELETE"),
+        # UPDATE (kek_id) only for the row locks ingest (FOR SHARE) and erasure (FOR UPDATE)
+        # take; a trigger refuses every UPDATE of a data key
+        "data_keys": ("SELECT", "INSERT", "UPDATE (kek_id)", "DELETE"),
         "retention_policies": ("SELECT", "INSERT", "UPDATE (enabled)", "DELETE"),
     },
     BEAT: {
@@ -121,7 +123,7 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
                    "UPDATE (attempts, next_attempt_at, delivered_at, last_error)"),
         # 0015: retention (erase what is older than a policy's window) runs from beat
         **_SEALING,
-        "data_keys": ("SELECT", "DELETE"),
+        "data_keys": ("SELECT", "UPDATE (kek_id)", "DELETE"),  # row locks, as for the API
         "retention_policies": ("SELECT",),
     },
     WORKER: {

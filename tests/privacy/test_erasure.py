@@ -15,14 +15,14 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import select
+from sqlalchemy import select, text
 
 from ledger.core import sealing
 from ledger.core.bundle import verify_bundle
 from ledger.core.erasure import ERASED
+from ledger.core.keys import generate_private_key, public_raw
 from ledger.core.logentry import log_entry_bytes
 from ledger.core.merkle import leaf_hash, verify_inclusion
-from ledger.core.keys import generate_private_key, public_raw
 from ledger.db.models import Envelope, ReplayJobItem
 from ledger.db.session import session_scope
 from ledger.errors import Gone
@@ -146,16 +146,20 @@ def test_erase_one_subject(log: Log) -> None:
                                       {}, log.kek)
     assert str(unv.value).startswith(f"{ERASED}: by erasure {result.erasure_id}")
 
-    # restoring fails: the data key is destroyed (no row to insert it back under a key
-    # that opens the blob), and the trigger refuses to delete any other key by hand
+    # restoring fails: a key row put back under the destroyed key's ID (any key, the old
+    # one is gone) does not open the blob; the database refuses to delete keys by hand
     with session_scope(log.engine) as s:
-        stored = bytes(s.get(Envelope, idx).dsse)  # type: ignore[union-attr]
-        kid = sealing.sealed_key_id(stored)
-        forged = log.kek.wrap(kid, sealing.new_data_key())
-        with pytest.raises(Exception):
-            sealing.open_sealed(__import__("cryptography.hazmat.primitives.ciphers.aead",
-                                           fromlist=["AESGCM"]).AESGCM(
-                log.kek.unwrap(kid, forged)), stored, bytes(s.get(Envelope, idx).dsse_sha256))
+        row = s.get(Envelope, idx)
+        assert row is not None
+        kid = sealing.sealed_key_id(bytes(row.dsse))
+        s.execute(text("INSERT INTO data_keys (id, data_subject, channel, model_sha256, day, "
+                       "wrapped, kek_id) VALUES (:id, 'restored', 'deterministic', 'x', "
+                       "current_date, :w, :k)"),
+                  {"id": kid, "w": log.kek.wrap(kid, sealing.new_data_key()),
+                   "k": log.kek.kek_id})
+        with pytest.raises(sealing.SealError):
+            envelope_service.envelope_view(s, rid, log.kek)
+        s.rollback()
     with psycopg.connect(ADMIN_PG.rsplit("/", 1)[0] + "/" + log.db_url.rsplit("/", 1)[1]) \
             as conn, pytest.raises(psycopg.errors.InsufficientPrivilege):
         conn.execute("DELETE FROM data_keys")

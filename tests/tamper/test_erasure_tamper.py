@@ -20,7 +20,7 @@ from ledger.log.audit import audit
 from ledger.privacy import erasure
 from tests.conftest import ADMIN_PG
 from tests.privacy.conftest import ORIGIN, SUBJECTS, Log
-from tests.privacy.conftest import log as log  # noqa: F401 - the fixture
+from tests.privacy.conftest import log as log
 
 
 def _superuser(log: Log) -> psycopg.Connection:
