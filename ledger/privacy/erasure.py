@@ -114,6 +114,7 @@ def erase_keys(session: Session, signer: Signer, kek: KeyEncryptionKey | None, *
                         "VALUES (%s, %s, %s)",
                         [(kid, appended.log_index, len(recs)) for kid, recs in destroyed])
         cur.execute("DELETE FROM data_keys WHERE id = ANY(%s)", ([k for k, _ in keys],))
+    CIPHERS.forget(k for k, _ in keys)  # no unwrapped copy outlives the key in this process
     return ErasureResult(erasure_id, appended.log_index, len(destroyed),
                          sum(len(r) for _, r in destroyed), True)
 

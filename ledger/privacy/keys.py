@@ -13,9 +13,10 @@ sealed under a key while it is being destroyed (and none lands outside its erasu
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import UTC, date, datetime
 from functools import lru_cache
 from pathlib import Path
@@ -50,22 +51,33 @@ def scope_of(data_subject: str | None, channel: str, model_sha256: str,
 
 
 class _Ciphers:
-    """Unwrapped data keys of this process, by key ID (bounded). A key ID names one key
-    for ever, so a cached cipher is never wrong; whether the key still *exists* is asked
-    of the database on every use."""
+    """Unwrapped data keys of this process, by key ID *and* wrapped bytes (bounded). A
+    cached cipher is used only for the very row it was unwrapped from, so a row put back
+    under a destroyed key's ID with other bytes never reaches it; whether the row still
+    exists is asked of the database on every use. Erasure drops its keys here too."""
 
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
-        self._data: OrderedDict[uuid.UUID, AESGCM] = OrderedDict()
+        self._data: OrderedDict[tuple[uuid.UUID, bytes], AESGCM] = OrderedDict()
+        self._lock = threading.Lock()
 
     def get(self, kek: KeyEncryptionKey, key_id: uuid.UUID, wrapped: bytes) -> AESGCM:
-        found = self._data.get(key_id)
+        slot = (key_id, wrapped)
+        with self._lock:
+            found = self._data.get(slot)
         if found is None:
             found = AESGCM(kek.unwrap(key_id, wrapped))
-            self._data[key_id] = found
-            while len(self._data) > self.capacity:
-                self._data.popitem(last=False)
+            with self._lock:
+                self._data[slot] = found
+                while len(self._data) > self.capacity:
+                    self._data.popitem(last=False)
         return found
+
+    def forget(self, key_ids: Iterable[uuid.UUID]) -> None:
+        gone = set(key_ids)
+        with self._lock:
+            for slot in [s for s in self._data if s[0] in gone]:
+                del self._data[slot]
 
 
 CIPHERS = _Ciphers()
