@@ -42,6 +42,7 @@ class Log:
     producer: Ed25519PrivateKey
     service: Signer
     log_signer: LogSigner
+    api_keys: dict[str, str]  # role -> API key
     #: subject -> [(request_id, log index, signed envelope JSON, prompt)]
     records: dict[str, list[tuple[str, int, dict[str, Any], list[int]]]] = \
         field(default_factory=dict)
@@ -62,7 +63,7 @@ def log(db_url: str, tmp_path: Path) -> Iterator[Log]:
     kek_file = tmp_path / "kek"
     kek_file.write_bytes(os.urandom(32).hex().encode() + b"\n")
     service = Signer(generate_private_key(), "ledger", "ledger-service")
-    _, producer = provision(db_url, signer=service)
+    api_keys, producer = provision(db_url, signer=service)
     engine = make_engine(url=db_url, pool_size=4)
     log_signer = LogSigner(ORIGIN, generate_private_key())
     with session_scope(engine) as s:
@@ -70,7 +71,7 @@ def log(db_url: str, tmp_path: Path) -> Iterator[Log]:
         log_signer.ensure_registered(s, service)
     settings = Settings(database_url=db_url, kek_file=kek_file, log_name=ORIGIN)
     out = Log(db_url, engine, LocalKek.from_file_bytes(kek_file.read_bytes()), kek_file,
-              settings, producer, service, log_signer)
+              settings, producer, service, log_signer, api_keys)
     for n, subject in enumerate(SUBJECTS):
         envs, prompts = [], []
         for r in range(2):

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Request, Response
+from fastapi import APIRouter, Depends, Path, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -72,11 +73,10 @@ def erase_data_subject(
     data_subject: DataSubjectPath,
     body: ErasureIn,
     request: Request,
-    response: Response,
     principal: Principal = Depends(require("privacy:admin")),
     session: Session = Depends(get_session),
     settings: Settings = Depends(get_settings_dep),
-) -> dict[str, Any]:
+) -> JSONResponse:
     signer = require_signer(request.app.state.service_signer, "an erasure")
     result = erasure.erase_subject(session, signer, kek_from_settings(settings),
                                    data_subject, actor=principal.name, reason=body.reason,
@@ -85,9 +85,8 @@ def erase_data_subject(
         audit.record(session, principal, "data_subject.erased",
                      data_subject_digest(data_subject), erasure_id=result.erasure_id,
                      log_index=result.log_index, legal_basis=body.legal_basis)
-    else:
-        response.status_code = 200
-    return result.to_json()
+    session.commit()  # the leaf, the records and the key destruction: one transaction
+    return JSONResponse(result.to_json(), status_code=201 if result.created else 200)
 
 
 @router.post("/retention-policies", response_model=RetentionPolicyOut, status_code=201,
@@ -103,6 +102,7 @@ def create_retention_policy(
                                 created_by=principal.name)
     audit.record(session, principal, "retention_policy.created", str(row.id),
                  **body.model_dump())
+    session.commit()
     return _policy_out(row)
 
 
