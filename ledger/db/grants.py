@@ -19,6 +19,11 @@ The grants follow what each component's code does:
 - ``ledger_worker`` (``ledger worker``): reads envelopes, keys, tiles and checkpoints;
   registers itself in ``workers`` and heartbeats; claims and finishes jobs; appends
   verdicts and worker-signed dispute events through the sequencer.
+- erasure (0015, docs/privacy.md): the API seals envelopes under ``data_keys`` it creates
+  and, on its admin erasure path, destroys them (``erasures``/``erased_keys`` leaves and
+  records); the beat destroys them for retention policies; workers read them to open
+  sealed envelopes. A trigger refuses a ``DELETE`` of a data key that no ``erased_keys``
+  row names and every ``UPDATE`` (``UPDATE (kek_id)`` is granted only for row locks).
 - ``ledger_auditor``: read-only (``api_keys`` too: the audit checks its rows against the
   registry leaves).
 
