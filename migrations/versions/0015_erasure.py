@@ -14,7 +14,7 @@
   (``ledger beat`` runs them).
 
 Revision ID: 0015_erasure
-Revises: 0009_policy_ops
+Revises: 0012_policy_leaves
 Create Date: 2026-12-01
 """
 
@@ -27,7 +27,7 @@ from sqlalchemy.dialects import postgresql
 from ledger.db.grants import GRANTS, ROLES, grant_statements, serial_grant
 
 revision = "0015_erasure"
-down_revision = "0009_policy_ops"
+down_revision = "0012_policy_leaves"
 branch_labels = None
 depends_on = None
 
