@@ -80,7 +80,7 @@ def log(db_url: str, tmp_path: Path) -> Iterator[Log]:
             envs.append(signed(st, producer))
             prompts.append(prompt)
         idx = out.ingest(envs)
-        out.records[subject] = [(e["payload"] and _rid(e), i, e, p)
+        out.records[subject] = [(_rid(e), i, e, p)
                                 for e, i, p in zip(envs, idx, prompts, strict=True)]
     out.integrate()
     yield out

@@ -94,6 +94,11 @@ def test_erase_one_subject(log: Log) -> None:
     with session_scope(log.engine) as s:
         before = {subj: [envelope_service.envelope_view(s, rid, log.kek).dsse
                          for rid, *_ in log.records[subj]] for subj in SUBJECTS}
+    with psycopg.connect(ADMIN_PG.rsplit("/", 1)[0] + "/" + log.db_url.rsplit("/", 1)[1]) \
+            as conn:
+        wrapped = [bytes(r[0]) for r in conn.execute(
+            "SELECT wrapped FROM data_keys WHERE data_subject = %s", (gone,)).fetchall()]
+    assert len(wrapped) == 1 and wrapped[0].hex().encode() in _dump(log.db_url)
     result = _erase(log, gone)
     assert (result.keys, result.records, result.created) == (1, 2, True)
     log.integrate()
@@ -103,6 +108,7 @@ def test_erase_one_subject(log: Log) -> None:
     for _, _, env, prompt in log.records[gone]:
         for needle in _needles(env, prompt):
             assert needle not in dump
+    assert wrapped[0].hex().encode() not in dump  # nor the wrapped key
     # the others read back byte-identical (the stored DSSE bytes, as signed)
     with session_scope(log.engine) as s:
         for subj in kept:
