@@ -89,6 +89,12 @@ class Settings(BaseSettings):
     integrate_interval_ms: int = Field(default=200, ge=1,
                                        description="Longest wait before pending entries "
                                        "are integrated.")
+    kek_file: Path | None = Field(
+        default=None, description="Key-encryption key (32 raw bytes or 64 hex characters; "
+        "`ledger keys generate-kek` writes one), kept outside the database. With it, "
+        "ingest stores envelope content encrypted under per-subject data keys that this "
+        "key wraps (docs/privacy.md), and every reader of sealed content (API, worker, "
+        "audit, export) needs it. Erasure destroys a subject's data keys.")
     trust_policy_file: Path | None = Field(
         default=None, description="Trust policy (TOML, see ledger.core.trust): the log, "
         "service and witness keys that audit, verify and workers believe. Kept outside the "
@@ -222,6 +228,7 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "integrate_in_api": ("serve", "check serve"),
     "integrate_max_entries": ("serve", "beat", "integrate"),
     "integrate_interval_ms": ("serve", "beat", "integrate"),
+    "kek_file": ("serve", "beat", "worker", "audit", "export", "check"),
     "trust_policy_file": ("worker", "audit", "verify", "check"),
     "witnesses": ("serve", "beat", "integrate"),
     "witness_timeout_s": ("serve", "beat", "integrate"),

@@ -28,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -63,11 +64,16 @@ class Recorder:
         ledger_url: str | None, api_key: str | None = None, max_bytes: int = 1 << 30,
         when_full: str = "fail", ship: bool = True, batch_size: int = 100,
         min_backoff: float = 0.25, max_backoff: float = 30.0, http_timeout: float = 30.0,
+        data_subject: Callable[[Captured], str | None] | None = None,
     ) -> None:
+        """``data_subject``: a callback naming the pseudonymous data subject of a capture
+        (used where the request carried no ``X-Ledger-Data-Subject`` header); the ledger
+        encrypts the envelope under that subject's keys (docs/privacy.md)."""
         if when_full not in WHEN_FULL:
             raise ValueError(f"when_full must be one of {WHEN_FULL}")
         self.config = config
         self.key = key
+        self.data_subject = data_subject
         self.when_full = when_full
         self.spool = Spool(spool_dir, max_bytes=max_bytes)
         self._channel, self._tier = config.effective_channel, config.effective_tier
@@ -185,11 +191,14 @@ class Recorder:
     # ------------------------------------------------------------------ writer thread
     def _envelope(self, item: _Item) -> tuple[str, bytes] | None:
         c = item.captured
+        subject = c.data_subject
+        if subject is None and self.data_subject is not None:
+            subject = self.data_subject(c)
         statement = build_statement(
             request_id=c.request_id, artifacts=self.config.artifacts,
             prompt_token_ids=c.prompt_token_ids, sampling=c.sampling,
             runtime=self.config.runtime, output=c.output(), channel=self._channel,
-            tier=self._tier, recorded_at=item.recorded_at)
+            tier=self._tier, recorded_at=item.recorded_at, data_subject=subject)
         try:
             validate_statement(statement)
         except ValidationFailed as exc:

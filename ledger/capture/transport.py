@@ -34,7 +34,10 @@ from ledger.capture.exchange import (
 )
 from ledger.capture.recorder import Recorder
 
-_DROP_REQUEST_HEADERS = ("content-length", "transfer-encoding")
+#: The request header naming the data subject (a pseudonym, docs/privacy.md): recorded
+#: in the envelope, never sent upstream.
+DATA_SUBJECT_HEADER = "x-ledger-data-subject"
+_DROP_REQUEST_HEADERS = ("content-length", "transfer-encoding", DATA_SUBJECT_HEADER)
 
 
 class UnrecordableRequest(ValueError):
@@ -73,6 +76,7 @@ class _Capture:
             self.recorder.note_unrecordable(reason)
             return None
         self.recorder.admit()
+        plan.data_subject = request.headers.get(DATA_SUBJECT_HEADER) or None
         headers = [(k, v) for k, v in request.headers.multi_items()
                    if k.lower() not in _DROP_REQUEST_HEADERS and k.lower() != "accept-encoding"]
         headers.append(("accept-encoding", "identity"))

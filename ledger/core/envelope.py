@@ -47,6 +47,10 @@ RequestId = Annotated[
 ]
 TokenId = Annotated[int, Field(ge=0, description="a token ID; at most the ledger's max_token_id")]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+DataSubject = Annotated[str, Field(
+    pattern=r"^[A-Za-z0-9._:@+=-]{1,200}$",
+    description="a pseudonymous data subject ID (e.g. a keyed hash of the gateway's user "
+    "ID): never a name or an e-mail address; see docs/privacy.md")]
 ShortStr = Annotated[str, Field(min_length=1, max_length=200)]
 OptShortStr = Annotated[str | None, Field(default=None, max_length=200)]
 FlagValue = (Annotated[str, Field(max_length=1000)] | int | float | bool
@@ -165,6 +169,9 @@ class EnvelopePredicate(_Model):
     sampling: Sampling
     runtime: Runtime
     output: Output
+    #: optional pseudonym of the person the prompt is about (docs/privacy.md): the
+    #: ledger encrypts the record under this subject's data keys, so it can be erased
+    data_subject: DataSubject | None = None
 
     @model_validator(mode="after")
     def _check_limits(self, info: ValidationInfo) -> EnvelopePredicate:
@@ -247,6 +254,7 @@ class IndexFields:
     fingerprint_id: str
     prompt_tokens: int
     output_tokens: int
+    data_subject: str | None = None  # not a column: it picks the record's data key
 
 
 def parse_statement(payload: bytes, limits: Limits | None = None) -> EnvelopeStatement:
@@ -305,6 +313,7 @@ def index_fields(statement: EnvelopeStatement) -> IndexFields:
         fingerprint_id=_fingerprint_of(p.runtime),
         prompt_tokens=len(p.prompt_token_ids),
         output_tokens=len(p.output.token_ids),
+        data_subject=p.data_subject,
     )
 
 
