@@ -14,9 +14,13 @@ from ledger.cli.common import DatabaseUrlOption, console, settings_with
 
 
 def worker_command(
-    models: Annotated[list[str], typer.Option(
+    models: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045 - typer
         "--models", help="A directory of model directories, a model directory, or tiny-demo "
-                         "(repeatable).")],
+                         "(repeatable); required unless --vendor.")] = None,
+    vendor: bool = typer.Option(
+        False, "--vendor", help="A vendor worker: re-verify vendor records (tier semantic) "
+        "of LEDGER_VENDOR_NAME at LEDGER_VENDOR_BASE_URL with the key in "
+        "LEDGER_VENDOR_API_KEY_FILE; no models, no engine (docs/semantic.md)."),
     engine: str = typer.Option("reference", help="reference | vllm"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
@@ -53,6 +57,15 @@ def worker_command(
         enforce(settings, check_engine, "worker", worker_key=key, register_key=register_key)
     finally:
         check_engine.dispose()
+    if vendor:
+        if models:
+            raise typer.BadParameter("--models does not apply to a vendor worker",
+                                     param_hint="--models")
+        _vendor_worker(settings, key, register_key, insecure_dev, loglevel)
+        return
+    if not models:
+        raise typer.BadParameter("give at least one --models (or --vendor)",
+                                 param_hint="--models")
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -95,6 +108,27 @@ def worker_command(
         console.print(f"[red]batch-invariance self-check failed, not consuming: {exc}[/red]")
         raise typer.Exit(3) from None
     console.print("batch-invariance self-check passed")
+    serve(worker, settings, loglevel=loglevel)
+
+
+def _vendor_worker(settings: Any, key: Path | None, register_key: bool, insecure_dev: bool,
+                   loglevel: str) -> None:
+    from ledger.core.errors import LedgerError
+    from workers.celery_worker import build_vendor_worker, serve
+    from workers.replay import NoTrustPolicy
+    from workers.semantic import VendorWorkerConfigError
+
+    try:
+        worker = build_vendor_worker(settings, key_file=key, register_key=register_key,
+                                     insecure_dev=insecure_dev)
+    except (NoTrustPolicy, VendorWorkerConfigError) as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    except LedgerError as exc:
+        console.print(f"[red]{exc.message}[/red]")
+        raise typer.Exit(2) from None
+    console.print(f"vendor worker {worker.worker_id} for {worker.vendor} at {worker.base_url}")
+    console.print(f"fingerprint {worker.fingerprint_id}")
     serve(worker, settings, loglevel=loglevel)
 
 

@@ -1,0 +1,210 @@
+"""The vendor worker: semantic verification of vendor records (envelope v2).
+
+A hosted vendor API cannot be replayed token for token, so a dispute or re-verification of
+one of its records re-sends the recorded request ``semantic_samples`` times to the vendor,
+evaluates the record's assertions (:mod:`ledger.core.assertions`) on every answer, and
+signs a verdict at tier ``semantic``: ``reproduced`` or ``diverged`` with the pass rate,
+Wilson intervals, every answer (so a third party re-evaluates the verdict from the bundle,
+``docs/semantic.md``), and the ``system_fingerprint`` drift between the record and the
+answers.
+
+It is a :class:`~workers.replay.ReplayWorker` without models or engine: the same claim,
+signature, log-inclusion and trust checks, the same verdict leaves. Its fingerprint is the
+vendor's (``{"engine": "vendor:<name>"}``), so it consumes exactly the queue its vendor's
+records are routed to, and no GPU worker ever takes one. The vendor's API key comes from
+``LEDGER_VENDOR_API_KEY_FILE``: it lives with the worker and is never stored in the
+database; the URL it calls is the worker's setting, not the one the record names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import threading
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+from sqlalchemy import Engine
+
+from ledger.core import jsonstrict
+from ledger.core.assertions import (
+    AssertionSet,
+    assertion_set_json,
+    evaluate,
+    semantic_summary,
+)
+from ledger.core.canonical import canonical_json
+from ledger.core.dsse import Envelope as DsseEnvelope
+from ledger.core.envelope import parse_statement
+from ledger.core.errors import LedgerError
+from ledger.core.trust import TrustPolicy
+from ledger.core.vendor import (
+    VendorEnvelopeStatement,
+    json_sha256,
+    vendor_fingerprint_id,
+    vendor_runtime,
+)
+from ledger.db.models import ReplayJob
+from ledger.replay.records import Signer
+from ledger.settings import Settings
+from workers.replay import READ_LIMITS, Prepared, ReplayWorker, Unverifiable, worker_trust
+
+log = logging.getLogger("ledger.worker")
+
+
+class VendorWorkerConfigError(ValueError):
+    """A vendor worker without its vendor settings does not start."""
+
+
+class VendorReplayWorker(ReplayWorker):
+    def __init__(self, settings: Settings, db: Engine, *, signer: Signer,
+                 trust: TrustPolicy | None = None, insecure_dev: bool = False,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.trust = worker_trust(settings, trust, insecure_dev=insecure_dev)
+        if self.trust is None:
+            log.warning("INSECURE: no trust policy; log and producer keys are taken from the "
+                        "database this worker reads (--insecure-dev)")
+        if not settings.vendor_name or not settings.vendor_base_url:
+            raise VendorWorkerConfigError(
+                "a vendor worker needs LEDGER_VENDOR_NAME and LEDGER_VENDOR_BASE_URL")
+        self.settings = settings
+        self.db = db
+        self.signer = signer
+        self.vendor = settings.vendor_name
+        self.base_url = settings.vendor_base_url.rstrip("/")
+        self.api_key = _read_api_key(settings.vendor_api_key_file)
+        self.engine_name = "vendor"
+        self.models = {}
+        self._engines = {}
+        self.max_batch = 1
+        self.runtime = {**vendor_runtime(self.vendor), "base_url": self.base_url}
+        self.fingerprint_id = vendor_fingerprint_id(self.vendor)
+        self.worker_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._stop = threading.Event()
+        self._heartbeat = None
+        self._http = httpx.Client(transport=transport,
+                                  timeout=httpx.Timeout(settings.vendor_timeout_s))
+
+    def self_check(self, n: int = 6) -> None:
+        """Nothing to check: a vendor worker runs no engine."""
+
+    def close(self) -> None:
+        self._http.close()
+
+    # ------------------------------------------------------------------ per item
+    def _read_request(self, prep: Prepared, envelope: DsseEnvelope, *,
+                      foreign_ok: bool) -> None:
+        try:
+            statement = parse_statement(envelope.payload, READ_LIMITS)
+        except LedgerError as exc:
+            raise Unverifiable(f"the envelope does not parse: {exc.message}") from exc
+        if not isinstance(statement, VendorEnvelopeStatement):
+            raise Unverifiable("not a vendor record: a vendor worker verifies only the "
+                               "semantic tier of vendor envelopes (v2)")
+        if statement.predicate.vendor.name != self.vendor:
+            raise Unverifiable(f"the record is of vendor {statement.predicate.vendor.name!r}, "
+                               f"this worker calls {self.vendor!r}")
+        if statement.predicate.assertions is None:
+            raise Unverifiable("the record carries no assertions: semantic verification "
+                               "has nothing to check (record it with --assertions)")
+        prep.statement = statement
+        prep.tier = "semantic"
+
+    def _replay(self, prepared: list[Prepared]) -> list[Any]:
+        """Each verifiable item's recorded request, re-sent ``semantic_samples`` times."""
+        return [self._sample(prep.statement) if prep.problem is None
+                and prep.statement is not None else None for prep in prepared]
+
+    def _sample(self, statement: VendorEnvelopeStatement) -> list[dict[str, Any]]:
+        v = statement.predicate.vendor
+        url = f"{self.base_url}/{v.endpoint}"
+        headers = {"content-type": "application/json", "accept-encoding": "identity"}
+        if self.api_key is not None:
+            headers["authorization"] = f"Bearer {self.api_key}"
+        body = canonical_json(v.request)
+        answers = []
+        for _ in range(self.settings.semantic_samples):
+            response = self._http.post(url, content=body, headers=headers)
+            if response.status_code != 200:
+                # an engine failure in replay terms: retried, then an ``error`` verdict
+                raise RuntimeError(f"the vendor answered {response.status_code}: "
+                                   f"{response.text[:200]}")
+            answers.append(jsonstrict.loads(response.content, what="vendor answer"))
+        return answers
+
+    def _verdict_details(self, prep: Prepared, result: Any, duration_ms: float,
+                         job: ReplayJob) -> tuple[str, dict[str, Any]]:
+        base = {"job_id": str(job.id), "replay_duration_ms": round(duration_ms, 3),
+                "replayed_at": datetime.now(UTC).isoformat(),
+                "checkpoint": prep.checkpoint,
+                "worker": {"worker_id": self.worker_id, "fingerprint_id": self.fingerprint_id,
+                           "runtime": self.runtime}}
+        statement = prep.statement
+        if prep.problem is not None or result is None \
+                or not isinstance(statement, VendorEnvelopeStatement):
+            return "unverifiable", {**base, "tier": None, "reason": prep.problem}
+        assertions = statement.predicate.assertions
+        assert isinstance(assertions, AssertionSet)
+        semantic = semantic_details(statement, assertions, result, self.settings)
+        outcome = semantic.pop("outcome")
+        drift = semantic.pop("runtime_drift")
+        return outcome, {**base, "tier": "semantic", "semantic": semantic,
+                         "runtime_drift": drift, "reason": None}
+
+
+def semantic_details(statement: VendorEnvelopeStatement, assertions: AssertionSet,
+                     answers: list[dict[str, Any]], settings: Settings) -> dict[str, Any]:
+    """What a semantic verdict states (``docs/semantic.md``, "The verdict")."""
+    v = statement.predicate.vendor
+    recorded = v.response
+    results = [evaluate(assertions, recorded, a) for a in answers]
+    summary = semantic_summary(assertions, results, confidence=settings.semantic_confidence,
+                               min_pass_rate=settings.semantic_min_pass_rate)
+    recorded_fp = v.identifiers.system_fingerprint
+    samples = []
+    seen: dict[str | None, int] = {}
+    for i, (answer, res) in enumerate(zip(answers, results, strict=True)):
+        fp = answer.get("system_fingerprint") if isinstance(
+            answer.get("system_fingerprint"), str) else None
+        seen[fp] = seen.get(fp, 0) + 1
+        samples.append({"index": i, "response": answer, "response_sha256": json_sha256(answer),
+                        "system_fingerprint": fp,
+                        "model": answer.get("model") if isinstance(answer.get("model"), str)
+                        else None,
+                        "passed": all(r.passed for r in res),
+                        "results": [r.to_json() for r in res]})
+    changed = {fp: n for fp, n in seen.items() if fp != recorded_fp}
+    drift = {"recorded_system_fingerprint": recorded_fp,
+             "replayed_system_fingerprints": [{"system_fingerprint": fp, "samples": n}
+                                              for fp, n in sorted(seen.items(),
+                                                                  key=lambda x: str(x[0]))],
+             "changed": bool(changed),
+             "samples_with_other_fingerprint": sum(changed.values())}
+    set_json = assertion_set_json(assertions)
+    return {**summary, "assertion_set": set_json,
+            "assertion_set_sha256": json_sha256(set_json),
+            "recorded": {"response_sha256": v.response_sha256,
+                         "request_sha256": v.request_sha256,
+                         "system_fingerprint": recorded_fp,
+                         "model_alias": v.model_alias},
+            "endpoint": v.endpoint, "samples": samples, "runtime_drift": drift,
+            "samples_sha256": hashlib.sha256(canonical_json(
+                [s["response_sha256"] for s in samples])).hexdigest()}
+
+
+def _read_api_key(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        key = Path(path).read_text("utf-8").strip()
+    except OSError as exc:
+        raise VendorWorkerConfigError(f"cannot read LEDGER_VENDOR_API_KEY_FILE {path}: "
+                                      f"{exc}") from None
+    if not key:
+        raise VendorWorkerConfigError(f"LEDGER_VENDOR_API_KEY_FILE {path} is empty")
+    return key
