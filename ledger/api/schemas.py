@@ -402,3 +402,12 @@ class RunReportOut(RunOut):
     tiers: dict[str, int]
     drift: list[dict[str, Any]]
     diverged: list[dict[str, Any]]
+    semantic: list[dict[str, Any]] = Field(
+        default_factory=list, description="vendor records: pass rates pooled per (vendor "
+        "fingerprint, model alias) with Wilson intervals (docs/semantic.md)")
+
+
+class SemanticPassRatesOut(BaseModel):
+    """Pass rates of semantic verdicts per (vendor fingerprint, model alias, time bucket)."""
+
+    items: list[dict[str, Any]]

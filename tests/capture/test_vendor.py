@@ -395,6 +395,19 @@ def test_audit_and_bundle_accept_vendor_records_and_a_third_party_reevaluates(
         assert report.records_checked.get("verdict", 0) >= 3, report.records_checked
     finally:
         engine.dispose()
+    with api.client("reviewer") as c:
+        r = c.get("/v1/semantic/pass-rates", params={"vendor": VENDOR, "bucket": "hour"})
+        assert r.status_code == 200, r.text
+        (rates,) = r.json()["items"]            # one (vendor, alias, hour) of this module
+        assert r.status_code == 200 and c.get("/v1/semantic/pass-rates", params={
+            "vendor": "nobody"}).json()["items"] == []
+    # three records judged: the half set (no sample passes all), two always-true sets
+    assert (rates["fingerprint_id"], rates["model_alias"]) == (vendor_fingerprint_id(VENDOR),
+                                                              MODEL)
+    assert (rates["records"], rates["samples"], rates["passes"]) == (3, 3 * SAMPLES,
+                                                                    2 * SAMPLES)
+    assert (rates["reproduced"], rates["diverged"], rates["records_with_drift"]) == (2, 1, 1)
+    assert rates["interval"]["low"] < 2 / 3 < rates["interval"]["high"]
     rid = records["sdk-half"].request_id
     with api.client("auditor") as c:
         r = c.get("/v1/export", params={"request_id": rid})
