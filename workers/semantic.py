@@ -24,24 +24,27 @@ import os
 import socket
 import threading
 import uuid
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import httpx
-from sqlalchemy import Engine
+from sqlalchemy import Engine, select
 
-from ledger.core import jsonstrict
+from ledger.core import dsse, jsonstrict
 from ledger.core.assertions import (
     AssertionSet,
     assertion_set_json,
     evaluate,
+    parse_assertion_set,
     semantic_summary,
 )
 from ledger.core.canonical import canonical_json
 from ledger.core.dsse import Envelope as DsseEnvelope
 from ledger.core.envelope import parse_statement
-from ledger.core.errors import LedgerError
+from ledger.core.errors import KeyError_, LedgerError
+from ledger.core.keys import key_id
 from ledger.core.trust import TrustPolicy
 from ledger.core.vendor import (
     VendorEnvelopeStatement,
@@ -49,12 +52,23 @@ from ledger.core.vendor import (
     vendor_fingerprint_id,
     vendor_runtime,
 )
-from ledger.db.models import ReplayJob
+from ledger.db.models import DisputeEvent, ReplayJob, ReplayJobItem, SigningKey
+from ledger.db.session import session_scope
 from ledger.replay.records import Signer
 from ledger.settings import Settings
 from workers.replay import READ_LIMITS, Prepared, ReplayWorker, Unverifiable, worker_trust
 
 log = logging.getLogger("ledger.worker")
+
+
+@dataclass(frozen=True)
+class _VendorItem:
+    """A checked vendor record and the assertion set to evaluate (the record's, or its
+    dispute's: ``source``)."""
+
+    statement: VendorEnvelopeStatement
+    assertions: AssertionSet
+    source: dict[str, Any]
 
 
 class VendorWorkerConfigError(ValueError):
@@ -109,16 +123,64 @@ class VendorReplayWorker(ReplayWorker):
         if statement.predicate.vendor.name != self.vendor:
             raise Unverifiable(f"the record is of vendor {statement.predicate.vendor.name!r}, "
                                f"this worker calls {self.vendor!r}")
-        if statement.predicate.assertions is None:
-            raise Unverifiable("the record carries no assertions: semantic verification "
-                               "has nothing to check (record it with --assertions)")
-        prep.statement = statement
+        assertions = statement.predicate.assertions
+        source: dict[str, Any] = {"from": "record"}
+        if prep.item.dispute_id is not None:
+            from_dispute = self._dispute_assertions(prep.item)
+            if from_dispute is not None:
+                assertions, source = from_dispute
+        if assertions is None:
+            raise Unverifiable("neither the record nor the dispute carries assertions: "
+                               "semantic verification has nothing to check (record with "
+                               "--assertions, or open the dispute with assertions)")
+        prep.statement = _VendorItem(statement, assertions, source)
         prep.tier = "semantic"
+
+    def _service_keys(self, session: Any) -> dict[str, bytes]:
+        """Service keys this worker believes (the policy's; insecure: the database's)."""
+        if self.trust is not None:
+            return {key_id(pk): bytes(pk) for pk in self.trust.service_keys}
+        return {k.keyid: bytes(k.public_key) for k in session.scalars(
+            select(SigningKey).where(SigningKey.purpose == "ledger"))}
+
+    def _dispute_assertions(self, item: ReplayJobItem
+                            ) -> tuple[AssertionSet, dict[str, Any]] | None:
+        """The assertion set of the dispute's signed "opened" event, if it has one."""
+        with session_scope(self.db) as session:
+            event = session.scalar(select(DisputeEvent).where(
+                DisputeEvent.dispute_id == item.dispute_id, DisputeEvent.kind == "opened"))
+            if event is None:
+                raise Unverifiable("the dispute's opened event is missing")
+            keys = self._service_keys(session)
+            signed, event_id, index = bytes(event.dsse), event.event_id, event.log_index
+
+        def service_key(kid: str) -> bytes:
+            if kid not in keys:
+                raise KeyError_(f"{kid} is not a service key this worker trusts")
+            return keys[kid]
+
+        try:
+            env = dsse.envelope_from_json(signed)
+            dsse.verify_envelope(env, service_key)
+            predicate = jsonstrict.loads(env.payload, what="dispute event")["predicate"]
+            if (predicate["kind"], predicate["dispute_id"], predicate["request_id"],
+                    predicate["event_id"]) != ("opened", str(item.dispute_id),
+                                               item.request_id, event_id):
+                raise Unverifiable("the dispute's opened event names another dispute")
+            found = predicate["body"].get("assertions")
+            if found is None:
+                return None
+            parsed = parse_assertion_set(found)
+        except LedgerError as exc:
+            raise Unverifiable(f"the dispute's opened event: {exc.message}") from exc
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise Unverifiable(f"the dispute's opened event lacks {exc}") from exc
+        return parsed, {"from": "dispute", "event_id": event_id, "log_index": index}
 
     def _replay(self, prepared: list[Prepared]) -> list[Any]:
         """Each verifiable item's recorded request, re-sent ``semantic_samples`` times."""
-        return [self._sample(prep.statement) if prep.problem is None
-                and prep.statement is not None else None for prep in prepared]
+        return [self._sample(prep.statement.statement) if prep.problem is None
+                and isinstance(prep.statement, _VendorItem) else None for prep in prepared]
 
     def _sample(self, statement: VendorEnvelopeStatement) -> list[dict[str, Any]]:
         v = statement.predicate.vendor
@@ -144,13 +206,11 @@ class VendorReplayWorker(ReplayWorker):
                 "checkpoint": prep.checkpoint,
                 "worker": {"worker_id": self.worker_id, "fingerprint_id": self.fingerprint_id,
                            "runtime": self.runtime}}
-        statement = prep.statement
-        if prep.problem is not None or result is None \
-                or not isinstance(statement, VendorEnvelopeStatement):
+        item = prep.statement
+        if prep.problem is not None or result is None or not isinstance(item, _VendorItem):
             return "unverifiable", {**base, "tier": None, "reason": prep.problem}
-        assertions = statement.predicate.assertions
-        assert isinstance(assertions, AssertionSet)
-        semantic = semantic_details(statement, assertions, result, self.settings)
+        semantic = semantic_details(item.statement, item.assertions, result, self.settings)
+        semantic["assertion_source"] = item.source
         outcome = semantic.pop("outcome")
         drift = semantic.pop("runtime_drift")
         return outcome, {**base, "tier": "semantic", "semantic": semantic,

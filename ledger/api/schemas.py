@@ -196,6 +196,10 @@ class DisputeIn(BaseModel):
     request_id: RequestIdField
     reason: str = Field(min_length=1, max_length=4000, pattern=SAFE_TEXT)
     priority: Priority = Priority.NORMAL
+    assertions: dict[str, Any] | None = Field(
+        default=None, description="vendor records only: an assertion set (docs/semantic.md) "
+        "the semantic verification checks instead of the record's own; signed into the "
+        "dispute's opened event")
 
 
 class CommentIn(BaseModel):

@@ -432,3 +432,73 @@ def test_audit_and_bundle_accept_vendor_records_and_a_third_party_reevaluates(
     assert again["outcome"] == verdict["outcome"]
     for key in ("passes", "n", "pass_rate", "interval", "assertions", "failing_samples"):
         assert again[key] == sem[key], key
+
+
+def test_a_dispute_brings_its_own_assertions(api: ApiServer, vendor_proxy: Process,
+                                             engine_server: Process, tmp_path: Path) -> None:
+    """Runs last (the pass rates above count three verdicts). The reviewer's set is signed
+    into the dispute's opened event; the worker checks that signature and evaluates that
+    set instead of the record's, and the verdict names the event."""
+    from tests.helpers import signed, statement
+
+    via = openai.OpenAI(base_url=vendor_proxy.base_url + "/v1", api_key="x", max_retries=0)
+    body = _post(via, "chat", {"messages": CHAT, "max_tokens": 4, "temperature": 0.9},
+                 f"reviewer-set-{uuid.uuid4().hex[:8]}")
+    rid = json.loads(body)["id"]
+    wait_for_envelope(api, rid)
+    own = {"version": 1, "assertions": [
+        {"id": "is-a-chat", "kind": "one_of", "select": {"path": "$.object"},
+         "values": ["chat.completion"]},
+        {"id": "same-kind", "kind": "same_decision", "select": {"path": "$.object"},
+         "labels": {"chat": ["chat.completion"], "text": ["text_completion"]}}]}
+    with api.client("reviewer") as c:
+        bad = c.post("/v1/disputes", json={"request_id": rid, "reason": "r",
+                                           "assertions": {"version": 1, "assertions": [
+                                               {"id": "x", "kind": "equals",
+                                                "select": {"path": "no-dollar"}}]}})
+        assert bad.status_code == 422 and bad.json()["code"] == "invalid_assertions", bad.text
+        v1 = signed(statement(), api.producer)  # type: ignore[attr-defined]
+        with api.client("ingester") as ing:
+            stored = ing.post("/v1/envelopes", json=v1, params={"wait": True})
+        assert stored.status_code == 201, stored.text
+        not_vendor = c.post("/v1/disputes", json={
+            "request_id": stored.json()["request_id"], "reason": "r", "assertions": own})
+        assert not_vendor.status_code == 422, not_vendor.text
+        assert not_vendor.json()["code"] == "assertions_not_applicable"
+        assert c.get("/v1/disputes", params={"request_id": rid}).json()["items"] == []
+    key_file = tmp_path / "vendor.key"
+    key_file.write_text(VENDOR_KEY)
+    worker, _ = vendor_worker(api, engine_server.base_url, key_file)
+    try:
+        from ledger.db.models import DisputeEvent
+        from ledger.db.session import session_scope
+
+        with api.client("reviewer") as c:
+            r = c.post("/v1/disputes", json={"request_id": rid, "reason": "its own set",
+                                             "assertions": own})
+            assert r.status_code == 201, r.text
+            assert worker.run_job(r.json()["job_id"]) == "done"
+            d = c.get(f"/v1/disputes/{r.json()['id']}").json()
+        with session_scope(worker.db) as s:
+            opened = s.scalar(select(DisputeEvent).where(
+                DisputeEvent.dispute_id == uuid.UUID(d["id"]), DisputeEvent.kind == "opened"))
+            assert opened is not None
+            opened_ref = {"from": "dispute", "event_id": opened.event_id,
+                          "log_index": opened.log_index}
+        from ledger.db.models import Verdict
+        from ledger.replay.views import verdict_view
+
+        with session_scope(worker.db) as s:
+            row = s.scalar(select(Verdict).where(Verdict.verdict_id == d["verdict_id"]))
+            assert row is not None
+            view = verdict_view(bytes(row.dsse))
+    finally:
+        worker.stop()
+        worker.close()
+        worker.db.dispose()
+    sem = view["details"]["semantic"]
+    assert sem["assertion_source"] == opened_ref
+    assert sem["assertion_set"] == assertion_set_json(parse_assertion_set(own))
+    assert (view["outcome"], view["tier"]) == ("reproduced", "semantic")
+    assert sem["assertions"]["is-a-chat"]["passes"] == SAMPLES
+    assert sem["assertions"]["same-kind"]["passes"] == SAMPLES   # same decision as recorded

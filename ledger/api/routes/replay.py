@@ -83,7 +83,7 @@ def open_dispute(
 ) -> DisputeOut:
     opened = dispute_service.open_dispute(
         session, principal, signer, settings, request_id=body.request_id, reason=body.reason,
-        priority=body.priority, idempotency_key=idempotency_key)
+        priority=body.priority, idempotency_key=idempotency_key, assertions=body.assertions)
     commit_and_publish(request, session, opened.to_publish)
     if opened.outcome is dispute_service.OpenOutcome.EXISTING:
         response.status_code = 200
