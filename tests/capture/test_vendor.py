@@ -434,6 +434,38 @@ def test_audit_and_bundle_accept_vendor_records_and_a_third_party_reevaluates(
         assert again[key] == sem[key], key
 
 
+def test_the_console_shows_vendor_records_and_semantic_verdicts(
+        api: ApiServer, records: dict[str, Recorded]) -> None:
+    """A reviewer's pages: the vendor call as recorded, and a semantic verdict with its
+    rates and drift, never a token diff or a "token IDs matched" claim."""
+    import html
+    import re
+
+    c = httpx.Client(base_url=api.base_url, timeout=60, follow_redirects=False)
+    form = c.get("/console/sign-in")
+    token = re.search(r'name="csrf_token" value="([^"]+)"', form.text)
+    assert token is not None
+    r = c.post("/console/sign-in", data={"api_key": api.keys["reviewer"],
+                                         "csrf_token": token.group(1)})
+    assert r.status_code == 303, r.text
+    rid = records["sdk-half"].request_id
+    page = c.get(f"/console/requests/{rid}")
+    assert page.status_code == 200, page.text[-2000:]
+    text = html.unescape(page.text)
+    assert 'id="vendor-call"' in page.text and "tier semantic" in text
+    assert '"return_token_ids": true' in text            # the request as sent
+    with api.client("reviewer") as api_c:
+        disputes = api_c.get("/v1/disputes", params={"request_id": rid}).json()["items"]
+    (d,) = disputes
+    verdict = c.get(f"/console/verdicts/{d['verdict_id']}")
+    assert verdict.status_code == 200, verdict.text[-2000:]
+    shown = html.unescape(verdict.text)
+    assert 'id="semantic"' in verdict.text and f"0 of {SAMPLES}" in shown
+    assert 'id="semantic-assertions"' in verdict.text and 'id="runtime-drift"' in verdict.text
+    assert "Every token ID matched" not in shown and 'id="diff"' not in verdict.text
+    c.close()
+
+
 def test_a_dispute_brings_its_own_assertions(api: ApiServer, vendor_proxy: Process,
                                              engine_server: Process, tmp_path: Path) -> None:
     """Runs last (the pass rates above count three verdicts). The reviewer's set is signed
