@@ -18,6 +18,7 @@ database; the URL it calls is the worker's setting, not the one the record names
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import os
@@ -225,17 +226,18 @@ def semantic_details(statement: VendorEnvelopeStatement, assertions: AssertionSe
     results = [evaluate(assertions, recorded, a) for a in answers]
     summary = semantic_summary(assertions, results, confidence=settings.semantic_confidence,
                                min_pass_rate=settings.semantic_min_pass_rate)
-    recorded_fp = v.identifiers.system_fingerprint
+    recorded_fp = _text(v.identifiers.system_fingerprint)
     samples = []
     seen: dict[str | None, int] = {}
     for i, (answer, res) in enumerate(zip(answers, results, strict=True)):
-        fp = answer.get("system_fingerprint") if isinstance(
-            answer.get("system_fingerprint"), str) else None
+        fp = _text(answer.get("system_fingerprint"))
         seen[fp] = seen.get(fp, 0) + 1
-        samples.append({"index": i, "response": answer, "response_sha256": json_sha256(answer),
-                        "system_fingerprint": fp,
-                        "model": answer.get("model") if isinstance(answer.get("model"), str)
-                        else None,
+        jcs = canonical_json(answer)
+        # the answer as base64 of its RFC 8785 bytes: any JSON string survives (a NUL
+        # character, which a JSONB column cannot hold, included)
+        samples.append({"index": i, "response_jcs_b64": base64.b64encode(jcs).decode(),
+                        "response_sha256": hashlib.sha256(jcs).hexdigest(),
+                        "system_fingerprint": fp, "model": _text(answer.get("model")),
                         "passed": all(r.passed for r in res),
                         "results": [r.to_json() for r in res]})
     changed = {fp: n for fp, n in seen.items() if fp != recorded_fp}
@@ -255,6 +257,12 @@ def semantic_details(statement: VendorEnvelopeStatement, assertions: AssertionSe
             "endpoint": v.endpoint, "samples": samples, "runtime_drift": drift,
             "samples_sha256": hashlib.sha256(canonical_json(
                 [s["response_sha256"] for s in samples])).hexdigest()}
+
+
+def _text(value: Any) -> str | None:
+    """A vendor's identifier as a verdict states it: a string, NUL characters written as
+    the six characters ``\\u0000`` (JSONB holds no NUL); None for a non-string."""
+    return value.replace("\x00", "\\u0000") if isinstance(value, str) else None
 
 
 def _read_api_key(path: Path | None) -> str | None:

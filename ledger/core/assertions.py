@@ -160,7 +160,20 @@ class AssertionSet(_Model):
         ids = [a.id for a in self.assertions]
         if len(set(ids)) != len(ids):
             raise ValueError("assertion ids must be unique")
+        if _has_nul(self.model_dump(mode="json", by_alias=True)):
+            raise ValueError("an assertion set holds no NUL character (write \\x00 in a "
+                             "regex)")
         return self
+
+
+def _has_nul(value: Any) -> bool:
+    if isinstance(value, str):
+        return "\x00" in value
+    if isinstance(value, list):
+        return any(_has_nul(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_nul(k) or _has_nul(v) for k, v in value.items())
+    return False
 
 
 def parse_assertion_set(obj: Any) -> AssertionSet:

@@ -395,6 +395,10 @@ def test_audit_and_bundle_accept_vendor_records_and_a_third_party_reevaluates(
         assert report.records_checked.get("verdict", 0) >= 3, report.records_checked
     finally:
         engine.dispose()
+    from ledger.replay.jobs import no_worker_reason
+
+    reason = no_worker_reason(vendor_fingerprint_id(VENDOR), {"engine": f"vendor:{VENDOR}"})
+    assert f"LEDGER_VENDOR_NAME={VENDOR}" in reason and "ledger worker --vendor" in reason
     with api.client("reviewer") as c:
         r = c.get("/v1/semantic/pass-rates", params={"vendor": VENDOR, "bucket": "hour"})
         assert r.status_code == 200, r.text
@@ -424,7 +428,10 @@ def test_audit_and_bundle_accept_vendor_records_and_a_third_party_reevaluates(
     assert sem["assertion_set"] == envelope["assertions"]
     assert sem["assertion_set_sha256"] == json_sha256(envelope["assertions"])
     assert sem["recorded"]["response_sha256"] == envelope["vendor"]["response_sha256"]
-    answers = [s["response"] for s in sem["samples"]]
+    jcs = [base64.b64decode(s["response_jcs_b64"]) for s in sem["samples"]]
+    assert [hashlib.sha256(b).hexdigest() for b in jcs] == [
+        s["response_sha256"] for s in sem["samples"]]
+    answers = [json.loads(b) for b in jcs]
     assert [json_sha256(a) for a in answers] == [s["response_sha256"] for s in sem["samples"]]
     again = reevaluate(envelope["assertions"], envelope["vendor"]["response"], answers,
                        confidence=sem["interval"]["confidence"],

@@ -114,6 +114,8 @@ def test_a_literal_expectation_and_the_record_missing_the_value() -> None:
                                     "schema": {"type": 5}}]}, "assertions.0"),
     ({"version": 1, "assertions": [{"id": "x", "kind": "one_of", "select": {"path": "$"},
                                     "values": [1]}] * 2}, "(root)"),
+    ({"version": 1, "assertions": [{"id": "x", "kind": "one_of", "select": {"path": "$"},
+                                    "values": ["a\x00"]}]}, "(root)"),
 ])
 def test_invalid_sets_are_refused_with_the_place(doc: dict[str, Any], where: str) -> None:
     with pytest.raises(ValidationFailed) as info:

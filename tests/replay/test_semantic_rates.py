@@ -38,3 +38,40 @@ def test_groups_pool_samples_per_vendor_and_alias_and_skip_other_tiers() -> None
     assert first["interval"] == {"method": "wilson", "confidence": 0.9,
                                  "low": round(low, 6), "high": round(high, 6)}
     assert groups[1]["pass_rate"] == 0.0 and groups[1]["interval"]["low"] == 0.0
+
+
+def test_a_verdict_holds_answers_with_nul_characters_in_jsonb_safe_form() -> None:
+    """Sampled answers may hold any JSON string, NUL included (random tokens do): the
+    verdict carries them as base64 of their RFC 8785 bytes, and no string of its details
+    holds a NUL (PostgreSQL's JSONB refuses one), so the verdict is stored."""
+    import base64
+    import json
+
+    from ledger.core.assertions import parse_assertion_set
+    from ledger.core.canonical import canonical_json
+    from ledger.core.envelope import parse_statement
+    from ledger.settings import Settings
+    from tests.core.test_vendor_envelope import ASSERTIONS, RESPONSE, vendor_statement
+    from workers.semantic import semantic_details
+
+    st = parse_statement(canonical_json(vendor_statement()))
+    nul = json.loads(json.dumps(RESPONSE).replace("Approved.", "Appro\\u0000ved")
+                     .replace("fp_123", "fp_\\u0000"))
+    details = semantic_details(st, parse_assertion_set(ASSERTIONS), [RESPONSE, nul],  # type: ignore[arg-type]
+                               Settings(semantic_confidence=0.9))
+    assert not _strings_with_nul(details)
+    assert [json.loads(base64.b64decode(s["response_jcs_b64"])) for s in details["samples"]] \
+        == [RESPONSE, nul]
+    assert details["runtime_drift"]["changed"] is True
+    assert details["samples"][1]["system_fingerprint"] == "fp_\\u0000"
+    assert (details["passes"], details["failing_samples"]) == (1, [1])
+
+
+def _strings_with_nul(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value] if "\x00" in value else []
+    if isinstance(value, list):
+        return [s for v in value for s in _strings_with_nul(v)]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in _strings_with_nul(k) + _strings_with_nul(v)]
+    return []
