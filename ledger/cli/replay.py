@@ -43,6 +43,12 @@ def worker_command(
     """Replay worker: computes its fingerprint, hashes its models, self-checks batch
     invariance, then consumes only replay.<fingerprint_id>. Refuses to start as a database
     superuser or the schema owner, or without a worker key."""
+    if vendor and models:
+        raise typer.BadParameter("--models does not apply to a vendor worker",
+                                 param_hint="--models")
+    if not vendor and not models:
+        raise typer.BadParameter("give at least one --models (or --vendor)",
+                                 param_hint="--models")
     loglevel = (old_loglevel or log_level).upper()  # --loglevel: the old spelling
     logging.basicConfig(level=loglevel, format="%(asctime)s %(name)s %(message)s")
     from ledger.core.errors import LedgerError
@@ -58,14 +64,8 @@ def worker_command(
     finally:
         check_engine.dispose()
     if vendor:
-        if models:
-            raise typer.BadParameter("--models does not apply to a vendor worker",
-                                     param_hint="--models")
         _vendor_worker(settings, key, register_key, insecure_dev, loglevel)
         return
-    if not models:
-        raise typer.BadParameter("give at least one --models (or --vendor)",
-                                 param_hint="--models")
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -87,8 +87,8 @@ def worker_command(
 
     try:
         with bars:
-            worker = build_worker(settings, models=models, engine_name=engine, device=device,
-                                  dtype=dtype, max_batch=max_batch, key_file=key,
+            worker = build_worker(settings, models=list(models or []), engine_name=engine,
+                                  device=device, dtype=dtype, max_batch=max_batch, key_file=key,
                                   threads=threads, register_key=register_key,
                                   insecure_dev=insecure_dev, hashing_progress=hashing)
     except NoTrustPolicy as exc:
