@@ -41,7 +41,7 @@ from ledger import __version__
 from ledger.artifacts import model_sha256
 from ledger.core import dsse
 from ledger.core.compare import Side, compare
-from ledger.core.envelope import Limits, index_fields, parse_statement
+from ledger.core.envelope import EnvelopeStatement, Limits, index_fields, parse_statement
 from ledger.core.errors import KeyError_, LedgerError
 from ledger.core.fingerprint import fingerprint_id as compute_fingerprint_id
 from ledger.core.logentry import verify_record_included
@@ -121,6 +121,7 @@ class Prepared:
     tier: str = "bitwise"
     tolerance: float | None = None
     checkpoint: dict[str, Any] = field(default_factory=dict)
+    statement: Any = None       # the parsed signed statement (the vendor worker reads it)
 
 
 def hold_models(models: Sequence[str | Path],
@@ -479,6 +480,9 @@ class ReplayWorker:
             statement = parse_statement(envelope.payload, READ_LIMITS)
         except LedgerError as exc:
             raise Unverifiable(f"the envelope does not parse: {exc.message}") from exc
+        if not isinstance(statement, EnvelopeStatement):
+            raise Unverifiable("a vendor record (tier semantic): only a vendor worker "
+                               "(`ledger worker --vendor`) re-verifies it")
         p = statement.predicate
         recorded_fp = index_fields(statement).fingerprint_id
         if not foreign_ok and recorded_fp != self.fingerprint_id:

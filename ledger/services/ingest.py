@@ -33,7 +33,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ledger.core import dsse
-from ledger.core.envelope import IndexFields, Limits, index_fields, parse_statement
+from ledger.core.envelope import IndexFields, Limits, index_fields, parse_statement, runtime_of
 from ledger.core.errors import FormatError, LedgerError, ValidationFailed
 from ledger.db.models import SigningKey
 from ledger.db.session import raw_cursor
@@ -166,7 +166,7 @@ def prepare(env: dsse.Envelope, keyring: KeyRing, limits: Limits, now: datetime,
                 f"became valid ({start.isoformat()})", code="recorded_before_key_valid")
     dsse_bytes = env.canonical_bytes()
     digest = hashlib.sha256(dsse_bytes).digest()
-    runtime = statement.predicate.runtime.model_dump(mode="json")
+    runtime = runtime_of(statement)
     return Prepared(dsse_bytes, digest, keyids, fields, runtime)
 
 
