@@ -11,6 +11,11 @@ connections, one transaction per batch.
 
 With ``--integrate`` the servers also run the integrator (as in production), and the HTTP
 figure counts an envelope only once it is in a signed checkpoint.
+
+With ``--encryption`` a second server with a key-encryption key (``LEDGER_KEK_FILE``) runs
+beside the first on the same database, and each round ingests fresh envelopes through
+both, alternating: envelopes with a ``data_subject`` (one of 1,000) are stored encrypted
+under per-subject data keys (docs/privacy.md). The table gives its ratio to the plain one.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import machine, pct, scratch_database, table
 
 
-def make_bodies(n: int, batch: int, producer_pem: bytes) -> list[bytes]:
+def make_bodies(n: int, batch: int, producer_pem: bytes, subjects: int = 0) -> list[bytes]:
     from ledger.core.keys import load_private_pem
     from ledger.producer import envelope_to_json, sign_statement
     from tests.helpers import statement
@@ -39,7 +44,10 @@ def make_bodies(n: int, batch: int, producer_pem: bytes) -> list[bytes]:
     key = load_private_pem(producer_pem)
     bodies = []
     for start in range(0, n, batch):
-        envs = [envelope_to_json(sign_statement(statement(prompt_len=512, output_len=128), key))
+        extra = ({"data_subject": f"subject-{start // batch % subjects}"} if subjects
+                 else {})
+        envs = [envelope_to_json(sign_statement(statement(prompt_len=512, output_len=128,
+                                                          **extra), key))
                 for _ in range(min(batch, n - start))]
         bodies.append(json.dumps({"envelopes": envs}).encode())
     return bodies
@@ -104,6 +112,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds; medians reported")
     ap.add_argument("--integrate", action="store_true",
                     help="run the integrator in the servers; time until integrated")
+    ap.add_argument("--encryption", action="store_true",
+                    help="also ingest through a server with LEDGER_KEK_FILE (same run)")
     ap.add_argument("--json", type=Path, help="also write results here")
     args = ap.parse_args()
 
@@ -127,7 +137,7 @@ def main() -> None:
             conn.execute("CREATE TABLE bench_copy (id bigint, body bytea)")
             conn.execute("CREATE TABLE bench_copy_lz4 (id bigint, body bytea COMPRESSION lz4)")
         results: dict[str, list[tuple[float, list[float]]]] = {"http": [], "copy": [],
-                                                               "copy_lz4": []}
+                                                               "copy_lz4": [], "http_enc": []}
         extra_env = {}
         if args.integrate:
             import tempfile
@@ -135,7 +145,15 @@ def main() -> None:
             key_file = Path(tempfile.mkdtemp()) / "log.pem"
             key_file.write_bytes(private_pem(generate_private_key()))
             extra_env = {"LEDGER_LOG_KEY_FILE": str(key_file)}
-        with run_server(url, workers=args.workers, extra_env=extra_env) as server:
+        import contextlib
+        import tempfile
+
+        kek_file = Path(tempfile.mkdtemp()) / "kek"
+        kek_file.write_bytes(os.urandom(32).hex().encode())
+        with run_server(url, workers=args.workers, extra_env=extra_env) as server, \
+                (run_server(url, workers=args.workers,
+                            extra_env={**extra_env, "LEDGER_KEK_FILE": str(kek_file)})
+                 if args.encryption else contextlib.nullcontext()) as enc_server:
             for rnd in range(args.rounds):
                 # fresh request IDs each round: re-sign with new IDs would be slow, so
                 # the HTTP rounds after the first use a new database state via TRUNCATE-free
@@ -156,6 +174,13 @@ def main() -> None:
                             time.sleep(0.01)
                     wall = time.perf_counter() - t_start
                 results["http"].append((wall, lats))
+                if enc_server is not None:
+                    enc_bodies = make_bodies(args.envelopes, args.batch, private_pem(producer),
+                                             subjects=1000)
+                    enc_shards = [enc_bodies[i::args.clients] for i in range(args.clients)]
+                    results["http_enc"].append(run_parallel(
+                        _http_client, [(enc_server.base_url, keys["ingester"], s)
+                                       for s in enc_shards]))
                 row_shards = [dsse_rows[i::args.clients] for i in range(args.clients)]
                 offset = rnd * 10 * args.envelopes
                 rates = []
@@ -165,11 +190,14 @@ def main() -> None:
                                        for i, s in enumerate(row_shards)])
                     results[key].append((wall_c, lats_c))
                     rates.append(args.envelopes / wall_c)
-                print(f"round {rnd + 1}: http {args.envelopes / wall:,.0f}/s, "
+                enc = (f"http encrypted {args.envelopes / results['http_enc'][-1][0]:,.0f}/s, "
+                       if enc_server is not None else "")
+                print(f"round {rnd + 1}: http {args.envelopes / wall:,.0f}/s, {enc}"
                       f"copy {rates[0]:,.0f}/s, copy lz4 {rates[1]:,.0f}/s")
         with psycopg.connect(pg_url) as conn:
             stored = conn.execute("SELECT count(*), max(log_index) FROM envelopes").fetchone()
-        assert stored is not None and stored[0] == args.envelopes * args.rounds
+        servers = 2 if args.encryption else 1
+        assert stored is not None and stored[0] == args.envelopes * args.rounds * servers
         assert stored[1] == stored[0] - 1, "log indices are not gap-free"
 
     def summary(name: str) -> tuple[float, float, float]:
@@ -183,6 +211,9 @@ def main() -> None:
     label = "ledger HTTP batch ingest" + (" + integration" if args.integrate else "")
     rows = [
         [label, http[0], http[1], http[2], f"{http[0] / copy[0]:.3f} / {http[0] / lz4[0]:.3f}"],
+        *([["ledger HTTP batch ingest, encrypted at rest (LEDGER_KEK_FILE)",
+            *summary("http_enc"), f"{summary('http_enc')[0] / http[0]:.3f} of plain HTTP"]]
+          if args.encryption else []),
         ["baseline: psycopg COPY of same bytes, bare table", copy[0], copy[1], copy[2], "1"],
         ["baseline: same, bare table with lz4 (as envelopes)", lz4[0], lz4[1], lz4[2], "1"],
     ]

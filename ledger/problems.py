@@ -15,6 +15,7 @@ from ledger.errors import (
     BadRequest,
     Conflict,
     Forbidden,
+    Gone,
     NotFound,
     StoredTreeMismatch,
     Unauthorized,
@@ -32,6 +33,7 @@ _STATUS_BY_CLASS: tuple[tuple[type[LedgerError], int], ...] = (
     (NotFound, 404),
     (TileNotFoundError, 404),
     (Conflict, 409),
+    (Gone, 410),
     (Unauthorized, 401),
     (Forbidden, 403),
     (BadRequest, 400),
@@ -47,6 +49,7 @@ TITLES = {
     403: "Forbidden",
     404: "Not found",
     409: "Conflict",
+    410: "Gone",
     413: "Payload too large",
     422: "Unprocessable content",
     424: "Failed dependency",
@@ -81,6 +84,6 @@ def problem_for(exc: LedgerError) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if isinstance(exc, ValidationFailed) and exc.errors:
         extra["errors"] = exc.errors
-    if isinstance(exc, Conflict):
+    if isinstance(exc, (Conflict, Gone)):
         extra.update(exc.extra)
     return problem(status_for(exc), exc.code, exc.message, **extra)

@@ -33,10 +33,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ledger.core import dsse
-from ledger.core.envelope import IndexFields, Limits, index_fields, parse_statement
+from ledger.core.envelope import IndexFields, Limits, index_fields, parse_statement, runtime_of
 from ledger.core.errors import FormatError, LedgerError, ValidationFailed
 from ledger.db.models import SigningKey
 from ledger.db.session import raw_cursor
+from ledger.privacy import keys as privacy_keys
 from ledger.services import sequencer
 from ledger.services.keys import KeyRing, load_keyring
 from ledger.settings import Settings
@@ -165,7 +166,7 @@ def prepare(env: dsse.Envelope, keyring: KeyRing, limits: Limits, now: datetime,
                 f"became valid ({start.isoformat()})", code="recorded_before_key_valid")
     dsse_bytes = env.canonical_bytes()
     digest = hashlib.sha256(dsse_bytes).digest()
-    runtime = statement.predicate.runtime.model_dump(mode="json")
+    runtime = runtime_of(statement)
     return Prepared(dsse_bytes, digest, keyids, fields, runtime)
 
 
@@ -254,7 +255,23 @@ def _classify(cur: Any, size: int, prepared: Sequence[Prepared | None]
     return results, new_rows
 
 
-def _write(cur: Any, size: int, new_rows: list[tuple[int, Prepared]]) -> None:
+def _stored_bytes(cur: Any, settings: Settings | None,
+                  new_rows: list[tuple[int, Prepared]]) -> list[bytes]:
+    """What goes into ``envelopes.dsse``: the DSSE bytes, sealed under each record's data
+    key when a KEK is configured (:mod:`ledger.privacy.keys`; the leaf still commits to
+    the DSSE bytes' SHA-256)."""
+    kek = privacy_keys.kek_from_settings(settings) if settings is not None else None
+    if kek is None:
+        return [p.dsse_bytes for _, p in new_rows]
+    return privacy_keys.seal_rows(cur, kek, [
+        (privacy_keys.scope_of(p.fields.data_subject, p.fields.channel,
+                               p.fields.model_sha256, p.fields.recorded_at),
+         p.dsse_bytes, p.dsse_sha256) for _, p in new_rows])
+
+
+def _write(cur: Any, size: int, new_rows: list[tuple[int, Prepared]],
+           settings: Settings | None = None) -> None:
+    stored = _stored_bytes(cur, settings, new_rows)
     sequencer.append(cur, size, [("envelope", p.fields.request_id, p.dsse_sha256.hex())
                                  for _, p in new_rows])
     with cur.copy(
@@ -264,9 +281,9 @@ def _write(cur: Any, size: int, new_rows: list[tuple[int, Prepared]]) -> None:
     ) as copy:
         copy.set_types(["int8", "text", "bytea", "bytea", "text[]", "text", "text",
                         "text", "text", "text", "timestamptz", "int4", "int4"])
-        for idx, p in new_rows:
+        for (idx, p), content in zip(new_rows, stored, strict=True):
             f = p.fields
-            copy.write_row((idx, f.request_id, p.dsse_bytes, p.dsse_sha256, p.keyids,
+            copy.write_row((idx, f.request_id, content, p.dsse_sha256, p.keyids,
                             f.model_sha256, f.model_name, f.fingerprint_id, f.channel,
                             f.tier, f.recorded_at, f.prompt_tokens, f.output_tokens))
     fingerprints = {p.fields.fingerprint_id: p.runtime for _, p in new_rows}
@@ -295,7 +312,7 @@ def ingest_batch(session: Session, raw_items: Sequence[Any], settings: Settings,
         if atomic and failed:  # every failed item named, conflicts included; nothing written
             return _rejected(n, failed)
         if new_rows:
-            _write(cur, size, new_rows)
+            _write(cur, size, new_rows, settings)
     return IngestReport([r for r in results if r is not None], BatchOutcome.STORED)
 
 

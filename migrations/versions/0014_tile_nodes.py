@@ -13,7 +13,7 @@ The upgrade fills the table for the full tiles already stored (255 SHA-256 per t
 about a second per million entries).
 
 Revision ID: 0014_tile_nodes
-Revises: 0012_policy_leaves
+Revises: 0015_erasure
 Create Date: 2026-12-01
 """
 
@@ -26,7 +26,7 @@ from ledger.core.tiles import FULL_TILE_BYTES, TILE_NODES_BYTES, tile_nodes
 from ledger.db.grants import grant_statements
 
 revision = "0014_tile_nodes"
-down_revision = "0012_policy_leaves"
+down_revision = "0015_erasure"
 branch_labels = None
 depends_on = None
 
