@@ -290,7 +290,7 @@ def _lifespan(settings: Settings, engine: Engine
                 app.state.integrator.stop()
             if app.state.metrics_listener is not None:
                 app.state.metrics_listener.stop()
-            app.state.group_commit.engine.dispose()
+            app.state.group_commit.close()
 
     return lifespan
 

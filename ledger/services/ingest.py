@@ -36,13 +36,12 @@ from typing import Any
 
 import orjson
 import psycopg
-from sqlalchemy import Engine, select
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from ledger.core import dsse
 from ledger.core.envelope import IndexFields, Limits, index_fields, parse_statement
 from ledger.core.errors import FormatError, LedgerError, ValidationFailed
-from ledger.db.models import SigningKey
 from ledger.db.session import raw_cursor
 from ledger.services import sequencer
 from ledger.services.keys import KeyRing, load_keyring
@@ -191,14 +190,6 @@ def _envelope(raw: Any, max_bytes: int) -> dsse.Envelope:
     return env
 
 
-def _not_before(session: Session, keyids: set[str]) -> dict[str, datetime]:
-    if not keyids:
-        return {}
-    rows = session.execute(select(SigningKey.keyid, SigningKey.not_before).where(
-        SigningKey.keyid.in_(sorted(keyids)))).all()
-    return {kid: nb for kid, nb in rows}
-
-
 def decode_items(raw_items: Sequence[Any], settings: Settings,
                  session: Session) -> tuple[list[Prepared | None], list[ItemResult]]:
     """Verify and validate every item. Returns prepared items and, for failures, results."""
@@ -211,7 +202,7 @@ def decode_items(raw_items: Sequence[Any], settings: Settings,
             envs.append(exc)
     keyids = {s.keyid for e in envs if isinstance(e, dsse.Envelope) for s in e.signatures}
     keyring = load_keyring(session, keyids, purpose="producer")
-    not_before = _not_before(session, keyids)
+    not_before = keyring.not_before()
     now = datetime.now(UTC)
     prepared: list[Prepared | None] = []
     failures: list[ItemResult] = []
@@ -254,15 +245,20 @@ class _Known:
     slot: int | None = None          # or new in this statement: its place in it
 
 
-def _plan(cur: Any, groups: Sequence[Group]) -> tuple[list[Prepared], list[tuple[ItemResult, int]]]:
-    """Classify every group's items, in order, against storage and against the earlier
-    items of the same statement: new (a slot in the statement), existing (same bytes) or a
-    conflict (other bytes). Sets each group's report; returns the new items in slot order
-    and the results whose log index is ``start + slot`` once the statement ran."""
-    ids = sorted({p.fields.request_id for g in groups for p in g.prepared if p is not None})
-    cur.execute("SELECT request_id, dsse_sha256, log_index, fingerprint_id FROM envelopes "
-                "WHERE request_id = ANY(%s)", (ids,))
-    known = {r[0]: _Known(bytes(r[1]), r[3], log_index=r[2]) for r in cur.fetchall()}
+def _plan(cur: Any, groups: Sequence[Group], *, look_up: bool = True
+          ) -> tuple[list[Prepared], list[tuple[ItemResult, int]]]:
+    """Classify every group's items, in order, against storage (unless ``look_up`` is
+    off: every request_id is then taken for new) and against the earlier items of the
+    same statement: new (a slot in the statement), existing (same bytes) or a conflict
+    (other bytes). Sets each group's report; returns the new items in slot order and the
+    results whose log index is ``start + slot`` once the statement ran."""
+    known: dict[str, _Known] = {}
+    if look_up:
+        ids = sorted({p.fields.request_id for g in groups for p in g.prepared
+                      if p is not None})
+        cur.execute("SELECT request_id, dsse_sha256, log_index, fingerprint_id FROM envelopes "
+                    "WHERE request_id = ANY(%s)", (ids,))
+        known = {r[0]: _Known(bytes(r[1]), r[3], log_index=r[2]) for r in cur.fetchall()}
     new: list[Prepared] = []
     pending: list[tuple[ItemResult, int]] = []
     for g in groups:
@@ -353,20 +349,32 @@ def _write(cur: Any, new: Sequence[Prepared]) -> int:
                             _STORE_ENVELOPES, params)[0]
 
 
-#: Attempts at storing one statement's groups: a retry follows only a race with another
-#: process that stored one of the same request_ids between classifying and sequencing.
+#: Attempts at storing one statement's groups: after the first, a retry follows only a
+#: race with another process that stored one of the same request_ids between classifying
+#: and sequencing.
 _ATTEMPTS = 5
 
 
-def store_groups(cur: Any, groups: Sequence[Group]) -> None:
+def store_groups(cur: Any, groups: Sequence[Group], *, optimistic: bool = False) -> None:
     """Classify and store ``groups`` (each gets its report). ``cur`` is either in
     autocommit (the statement commits as it runs: :class:`GroupCommit`) or inside the
-    caller's transaction (a savepoint then undoes a lost race)."""
+    caller's transaction (a savepoint then undoes a lost race).
+
+    ``optimistic``: the first attempt takes every request_id for new without reading
+    storage (one round trip instead of two, for the common case of new envelopes); a
+    stored one fails that statement on the unique constraint, and the next attempt reads.
+    An atomic batch is only ever rejected on a classification that read storage."""
     conn = cur.connection
     for attempt in range(_ATTEMPTS):
         try:
             with nullcontext() if conn.autocommit else conn.transaction():
-                new, pending = _plan(cur, groups)
+                look_up = attempt > 0 or not optimistic
+                new, pending = _plan(cur, groups, look_up=look_up)
+                if not look_up and any(g.report is not None and
+                                       g.report.outcome is BatchOutcome.REJECTED
+                                       for g in groups):
+                    # a rejection names every failed item: conflicts with storage too
+                    new, pending = _plan(cur, groups)
                 if new:
                     start = _write(cur, new)
                     for result, slot in pending:
@@ -394,6 +402,7 @@ class GroupCommit:
         self._cv = threading.Condition()
         self._waiting: list[_Ticket] = []
         self._busy = False
+        self._conn: Connection | None = None   # the leader's; kept between statements
 
     def store(self, group: Group) -> None:
         ticket = _Ticket(group)
@@ -414,6 +423,13 @@ class GroupCommit:
         if ticket.error is not None:
             raise ticket.error
 
+    def close(self) -> None:
+        with self._cv:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+        self.engine.dispose()
+
     def _take(self) -> list[_Ticket]:
         """The oldest waiting tickets, up to ``max_items`` items (at least one ticket)."""
         n, items = 0, 0
@@ -425,24 +441,31 @@ class GroupCommit:
         batch, self._waiting = self._waiting[:n], self._waiting[n:]
         return batch
 
+    def _connection(self) -> Connection:
+        if self._conn is None:
+            self._conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        return self._conn
+
     def _flush(self, batch: list[_Ticket]) -> None:
         try:
-            with self.engine.connect() as conn:
-                raw = conn.execution_options(isolation_level="AUTOCOMMIT")
-                with raw_cursor(raw) as cur:
-                    try:
-                        store_groups(cur, [t.group for t in batch])
-                    except psycopg.errors.DataError:
-                        if len(batch) == 1:
-                            raise
-                        for t in batch:  # one group's bad value fails that group only
-                            try:
-                                store_groups(cur, [t.group])
-                            except psycopg.errors.DataError as exc:
-                                t.error = exc
+            with raw_cursor(self._connection()) as cur:
+                try:
+                    store_groups(cur, [t.group for t in batch], optimistic=True)
+                except psycopg.errors.DataError:
+                    if len(batch) == 1:
+                        raise
+                    for t in batch:  # one group's bad value fails that group only
+                        try:
+                            store_groups(cur, [t.group])
+                        except psycopg.errors.DataError as exc:
+                            t.error = exc
         except BaseException as exc:
             for t in batch:
                 t.error = t.error or exc
+            if not isinstance(exc, psycopg.errors.DataError) and self._conn is not None:
+                self._conn.invalidate()  # lost or in doubt: the next leader connects afresh
+                self._conn.close()
+                self._conn = None
             if not isinstance(exc, Exception):
                 raise
         finally:
