@@ -55,7 +55,8 @@ class Settings(BaseSettings):
     service_key_file: Path | None = Field(
         default=None,
         description="Ed25519 private key (PEM) with which the ledger signs its own records "
-        "(dispute events). Disputes need it.",
+        "(dispute events, key and policy changes, re-verification claims). Disputes, admin "
+        "changes and the beat's re-verification need it.",
     )
     worker_key_file: Path | None = Field(
         default=None, description="Ed25519 private key (PEM) a replay worker signs verdicts "

@@ -115,6 +115,7 @@ def api(module_db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         server.keys = keys
         server.producer = producer  # type: ignore[attr-defined]
         server.db_url = module_db_url  # type: ignore[attr-defined]
+        server.service_key_file = logs / "service.pem"  # type: ignore[attr-defined]
         server.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"  # type: ignore[attr-defined]
         yield server
     # jobs published for fingerprints nobody consumes here: leave the broker as found

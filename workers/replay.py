@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, select, update
+from sqlalchemy import Engine, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
 from ledger import __version__
@@ -230,6 +230,9 @@ class ReplayWorker:
                    "pid": os.getpid(), "started_at": now, "last_heartbeat": now}
             session.execute(pg_insert(Worker).values(**row).on_conflict_do_update(
                 index_elements=["worker_id"], set_={"last_heartbeat": now, "stopped_at": None}))
+            # the beat routes what waits for this fingerprint now, not at its next tick
+            session.execute(text("SELECT pg_notify(:channel, :fp)"),
+                            {"channel": job_service.WORKER_CHANNEL, "fp": self.fingerprint_id})
 
     def heartbeat_once(self) -> None:
         with session_scope(self.db) as session:

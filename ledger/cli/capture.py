@@ -110,9 +110,17 @@ def engine_serve_command(
                                           "model's name)."),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16 | float16"),
-    max_batch: int = typer.Option(8, "--max-batch", min=1, help="Requests per engine batch."),
+    max_batch: int = typer.Option(8, "--max-batch", min=1,
+                                  help="Requests running at once (continuous batching)."),
     batch_wait_ms: float = typer.Option(2.0, "--batch-wait-ms", min=0.0,
-                                        help="How long a batch waits for co-tenants."),
+                                        help="How long a static batch waits for co-tenants "
+                                             "(engines without continuous batching)."),
+    prefill_chunk: Optional[int] = typer.Option(  # noqa: UP045
+        None, "--prefill-chunk", min=1, help="Prompt tokens prefilled per step and request "
+                                             "(default: whole prompts)."),
+    prefix_cache_blocks: int = typer.Option(
+        0, "--prefix-cache-blocks", min=0, help="Pages of 16 tokens kept for prompt-prefix "
+                                                "reuse (0: no prefix cache)."),
     no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant",
                                             help="Fast kernels (the performance channel)."),
     threads: Optional[int] = typer.Option(  # noqa: UP045
@@ -142,11 +150,16 @@ def engine_serve_command(
                                  threads=threads or DEFAULT_CPU_THREADS)
         except (OSError, ValueError) as exc:
             raise _fail(str(exc)) from exc
+    if prefix_cache_blocks:
+        from workers.engine.prefix_cache import PrefixCache
+
+        engine.prefix_cache = PrefixCache(pages=prefix_cache_blocks)
     tokenizer = ByteTokenizer() if engine.config.vocab_size == ByteTokenizer.vocab_size \
         and model == TINY_DEMO else None
     name = served_model_name or (TINY_DEMO if model == TINY_DEMO else Path(model).name)
     app = create_app(engine, served_model_name=name, tokenizer=tokenizer,
-                     max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000)
+                     max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000,
+                     prefill_chunk=prefill_chunk)
     fp = app.state.fingerprint
     if write_fingerprint is not None:
         write_fingerprint.write_text(json.dumps(fp, indent=2) + "\n", encoding="utf-8")

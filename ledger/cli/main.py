@@ -17,6 +17,7 @@ from ledger.cli import check as check_cli
 from ledger.cli import demo as demo_cli
 from ledger.cli import engine as engine_cli
 from ledger.cli import log as log_cli
+from ledger.cli import matrix as matrix_cli
 from ledger.cli import replay as replay_cli
 from ledger.cli import trust as trust_cli
 from ledger.cli import witness as witness_cli
@@ -33,6 +34,7 @@ admin_cli.register(app)
 engine_cli.register(app)
 capture_cli.register(app)
 log_cli.register(app)
+matrix_cli.register(app)
 replay_cli.register(app)
 witness_cli.register(app)
 trust_cli.register(app)

@@ -23,7 +23,13 @@ from ledger.core import dsse
 from ledger.core.envelope import STATEMENT_TYPE
 from ledger.core.errors import LedgerError, VerificationError
 from ledger.core.keys import key_id
-from ledger.core.statements import ADMIN_EVENT_KINDS, ADMIN_EVENT_PREDICATE_TYPE
+from ledger.core.statements import (
+    ADMIN_EVENT_KINDS,
+    ADMIN_EVENT_PREDICATE_TYPE,
+    GATE_EVENT_KIND,
+    RUN_EVENT_KIND,
+    record_digest,
+)
 
 KEY_PURPOSES = ("producer", "worker", "log", "ledger")
 
@@ -82,6 +88,33 @@ class RegisteredApiKey:
 
 
 @dataclass(frozen=True, slots=True)
+class RegisteredPolicy:
+    """A re-verification policy as its latest leaf states it (``record``: the settings,
+    :func:`ledger.core.statements.policy_record`); ``deleted_index`` once deleted."""
+
+    record: Mapping[str, Any]
+    created_index: int
+    last_index: int
+    deleted_index: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RegisteredRun:
+    """A re-verification window the beat claimed (:func:`ledger.core.statements.run_record`)."""
+
+    record: Mapping[str, Any]
+    index: int
+
+
+POLICY_SETTINGS = ("id", "name", "interval_seconds", "sample_size", "sample_rate",
+                   "model_sha256", "fingerprint_id", "channel", "min_age_seconds",
+                   "max_age_seconds", "enabled", "drift_alert_threshold", "created_by",
+                   "created_at", "first_window_start")
+RUN_FIELDS = ("id", "policy_id", "window_start", "window_end", "sampled")
+GATE_FIELDS = ("id", "new_fingerprint", "model_sha256", "baseline_fingerprint", "sampled")
+
+
+@dataclass(frozen=True, slots=True)
 class AdminEventRecord:
     """A verified admin event: its predicate and the key IDs that signed it."""
 
@@ -110,6 +143,16 @@ def _str(obj: Mapping[str, Any], name: str, what: str) -> str:
     return value
 
 
+def _fields(pred: Mapping[str, Any], name: str, names: tuple[str, ...]) -> Mapping[str, Any]:
+    """The record an admin event states under ``name``, with exactly ``names``; its subject
+    digest must be the record's."""
+    record = pred.get(name)
+    if not isinstance(record, dict) or set(record) != set(names):
+        raise RegistryError(f"a {pred['kind']} event states the {name} with the fields "
+                            f"{', '.join(names)}")
+    return record
+
+
 def open_admin_event(env: dsse.Envelope, public_key_for: Callable[[str], bytes]
                      ) -> AdminEventRecord:
     """Verify an admin event's signatures (``public_key_for`` raises for a key it does not
@@ -132,6 +175,17 @@ def open_admin_event(env: dsse.Envelope, public_key_for: Callable[[str], bytes]
         _str(pred, name, "predicate")
     if pred["kind"] not in ADMIN_EVENT_KINDS:
         raise RegistryError(f"unknown admin event kind {pred['kind']!r}")
+    if pred["kind"].startswith(("policy.", "gate.")):
+        stated = pred.get("run" if pred["kind"] == RUN_EVENT_KIND else "gate"
+                          if pred["kind"] == GATE_EVENT_KIND else "policy")
+        subject = st.get("subject")
+        try:
+            digest = subject[0]["digest"]["sha256"]  # type: ignore[index]
+        except (TypeError, KeyError, IndexError):
+            digest = None
+        if not isinstance(stated, dict) or digest != record_digest(stated):
+            raise RegistryError("the admin event's subject digest is not the SHA-256 of "
+                                "the record it states")
     return AdminEventRecord(pred, signed_by)
 
 
@@ -141,14 +195,93 @@ class Registry:
 
     keys: dict[str, RegisteredKey] = field(default_factory=dict)
     api_keys: dict[str, RegisteredApiKey] = field(default_factory=dict)
+    #: every policy ever created (deleted ones keep their ``deleted_index``)
+    policies: dict[str, RegisteredPolicy] = field(default_factory=dict)
+    runs: dict[str, RegisteredRun] = field(default_factory=dict)
+    #: fingerprint gates by run id (one per new fingerprint and model)
+    gates: dict[str, RegisteredRun] = field(default_factory=dict)
 
     def apply(self, log_index: int, pred: Mapping[str, Any], *,
               vouched_by: str = "policy") -> None:
         kind = pred["kind"]
         if kind.startswith("signing_key."):
             self._apply_key(log_index, kind, pred, vouched_by)
-        else:
+        elif kind.startswith("api_key."):
             self._apply_api_key(log_index, kind, pred)
+        elif kind == RUN_EVENT_KIND:
+            self._apply_run(log_index, pred)
+        elif kind == GATE_EVENT_KIND:
+            self._apply_gate(log_index, pred)
+        else:
+            self._apply_policy(log_index, kind, pred)
+
+    def _apply_policy(self, log_index: int, kind: str, pred: Mapping[str, Any]) -> None:
+        p = _fields(pred, "policy", POLICY_SETTINGS)
+        pid = _str(p, "id", "policy")
+        if pred["target"] != pid:
+            raise RegistryError("the event's target must be the policy's id")
+        _str(p, "name", "policy")
+        if not isinstance(p["enabled"], bool):
+            raise RegistryError("policy.enabled must be true or false")
+        for name in ("created_at", "first_window_start"):
+            _time(p[name], f"policy.{name}")
+        existing = self.policies.get(pid)
+        if kind == "policy.created":
+            if existing is not None:
+                raise RegistryError(f"policy {pid} is created twice (first at log index "
+                                    f"{existing.created_index})")
+            self.policies[pid] = RegisteredPolicy(dict(p), log_index, log_index)
+            return
+        if existing is None:
+            raise RegistryError(f"{kind} of policy {pid}, which no leaf created")
+        if existing.deleted_index is not None:
+            raise RegistryError(f"policy {pid} changes after its deletion at log index "
+                                f"{existing.deleted_index}")
+        changed = sorted(n for n in POLICY_SETTINGS
+                         if n != "enabled" and p[n] != existing.record[n])
+        if changed:
+            raise RegistryError(f"{kind} of policy {pid} changes {', '.join(changed)}: only "
+                                "pausing and resuming change a policy")
+        if kind != "policy.deleted" and p["enabled"] != (kind == "policy.resumed"):
+            raise RegistryError(f"a {kind} event states enabled={p['enabled']}")
+        self.policies[pid] = replace(
+            existing, record=dict(p), last_index=log_index,
+            deleted_index=log_index if kind == "policy.deleted" else None)
+
+    def _apply_run(self, log_index: int, pred: Mapping[str, Any]) -> None:
+        r = _fields(pred, "run", RUN_FIELDS)
+        rid = _str(r, "id", "run")
+        if pred["target"] != rid:
+            raise RegistryError("the event's target must be the run's id")
+        if rid in self.runs:
+            raise RegistryError(f"run {rid} is claimed twice (first at log index "
+                                f"{self.runs[rid].index})")
+        policy = self.policies.get(_str(r, "policy_id", "run"))
+        if policy is None or policy.deleted_index is not None:
+            raise RegistryError(f"run {rid} claims a window of policy {r['policy_id']}, "
+                                "which no leaf created or which was deleted")
+        start = _time(r["window_start"], "run.window_start")
+        end = _time(r["window_end"], "run.window_end")
+        assert start is not None and end is not None
+        if not isinstance(r["sampled"], int) or r["sampled"] < 0 or end <= start:
+            raise RegistryError(f"run {rid}: a window ends after it starts and samples a "
+                                "count")
+        self.runs[rid] = RegisteredRun(dict(r), log_index)
+
+    def _apply_gate(self, log_index: int, pred: Mapping[str, Any]) -> None:
+        g = _fields(pred, "gate", GATE_FIELDS)
+        gid = _str(g, "id", "gate")
+        if pred["target"] != gid:
+            raise RegistryError("the event's target must be the gate run's id")
+        pair = (_str(g, "new_fingerprint", "gate"), _str(g, "model_sha256", "gate"))
+        for other in self.gates.values():
+            if gid == other.record["id"] or pair == (other.record["new_fingerprint"],
+                                                     other.record["model_sha256"]):
+                raise RegistryError(f"gate {gid} is claimed twice (first at log index "
+                                    f"{other.index})")
+        if not isinstance(g["sampled"], int) or g["sampled"] < 0:
+            raise RegistryError(f"gate {gid} samples a count")
+        self.gates[gid] = RegisteredRun(dict(g), log_index)
 
     def _apply_key(self, log_index: int, kind: str, pred: Mapping[str, Any],
                    vouched_by: str) -> None:

@@ -12,7 +12,11 @@ transparency log, so a review trail is as tamper-evident as the records it revie
   registration or revocation, or an API key's creation, revocation or role change (the
   registry through which producer and worker keys are trusted); subject: the signing key
   (``signing_key:<keyid>``, digest its key ID) or the API key (``api_key:<id>``, digest
-  its stored hash); ``ref`` is ``predicate.event_id``.
+  its stored hash); ``ref`` is ``predicate.event_id``. A re-verification policy's
+  creation, pause, resumption and deletion (``policy:<id>``, digest the SHA-256 of the
+  stated policy) and each window the beat claims for it (``reverification_run:<id>``)
+  are admin events too, and so is each fingerprint gate it claims (``gate.claimed``), so
+  scheduled re-verification and gates cannot be silenced in the database.
 - ``urn:inference-ledger:bundle:v1``, signed by the ledger's service key: the manifest of
   an export bundle (origin, checkpoint, selection, creation time, record count); subject:
   the SHA-256 of every record line after the header.
@@ -25,6 +29,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+from ledger.core.canonical import canonical_json, sha256_hex
 from ledger.core.envelope import STATEMENT_TYPE
 from ledger.core.states import VerdictOutcome
 
@@ -33,8 +38,12 @@ EVENT_PREDICATE_TYPE = "urn:inference-ledger:dispute-event:v1"
 ADMIN_EVENT_PREDICATE_TYPE = "urn:inference-ledger:admin-event:v1"
 BUNDLE_PREDICATE_TYPE = "urn:inference-ledger:bundle:v1"
 OUTCOMES = tuple(VerdictOutcome)
+POLICY_EVENT_KINDS = ("policy.created", "policy.paused", "policy.resumed", "policy.deleted")
+RUN_EVENT_KIND = "policy.window_claimed"
+GATE_EVENT_KIND = "gate.claimed"
 ADMIN_EVENT_KINDS = ("signing_key.registered", "signing_key.revoked", "api_key.created",
-                     "api_key.revoked", "api_key.role_changed")
+                     "api_key.revoked", "api_key.role_changed", *POLICY_EVENT_KINDS,
+                     RUN_EVENT_KIND, GATE_EVENT_KIND)
 
 
 def _subject(request_id: str, envelope_dsse_sha256: str) -> list[dict[str, Any]]:
@@ -101,23 +110,80 @@ def api_key_record(*, id: str, name: str, role: str, prefix: str, key_hash: byte
             "key_hash": key_hash.hex(), "revoked_at": timestamp(revoked_at)}
 
 
+def policy_record(*, id: str, name: str, interval_seconds: int, sample_size: int | None,
+                  sample_rate: float | None, model_sha256: str | None,
+                  fingerprint_id: str | None, channel: str | None, min_age_seconds: int,
+                  max_age_seconds: int | None, enabled: bool,
+                  drift_alert_threshold: float | None, created_by: str,
+                  created_at: datetime, first_window_start: datetime) -> dict[str, Any]:
+    """A re-verification policy as an admin event states it: every setting the beat and
+    the API act on (a row that differs from its latest event is reported by audit)."""
+    return {"id": id, "name": name, "interval_seconds": interval_seconds,
+            "sample_size": sample_size, "sample_rate": sample_rate,
+            "model_sha256": model_sha256, "fingerprint_id": fingerprint_id,
+            "channel": channel, "min_age_seconds": min_age_seconds,
+            "max_age_seconds": max_age_seconds, "enabled": enabled,
+            "drift_alert_threshold": drift_alert_threshold, "created_by": created_by,
+            "created_at": timestamp(created_at),
+            "first_window_start": timestamp(first_window_start)}
+
+
+def run_record(*, id: str, policy_id: str, window_start: datetime, window_end: datetime,
+               sampled: int) -> dict[str, Any]:
+    """A claimed re-verification window as its admin event states it."""
+    return {"id": id, "policy_id": policy_id, "window_start": timestamp(window_start),
+            "window_end": timestamp(window_end), "sampled": sampled}
+
+
+def gate_record(*, id: str, new_fingerprint: str, model_sha256: str,
+                baseline_fingerprint: str, sampled: int) -> dict[str, Any]:
+    """A fingerprint gate the beat claimed (once per new fingerprint and model) as its admin
+    event states it."""
+    return {"id": id, "new_fingerprint": new_fingerprint, "model_sha256": model_sha256,
+            "baseline_fingerprint": baseline_fingerprint, "sampled": sampled}
+
+
+def record_digest(record: Mapping[str, Any]) -> str:
+    """The subject digest of a policy or run admin event: SHA-256 of the record's canonical
+    JSON (RFC 8785, as the statement is signed: the same digest after a round trip)."""
+    return sha256_hex(canonical_json(record))
+
+
+def _admin_body(kind: str, stated: dict[str, Mapping[str, Any] | None]
+                ) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+    """(target, subject, body) of an admin event of ``kind`` stating exactly one of
+    ``stated`` (its name: what the kind states)."""
+    field_ = ("key" if kind.startswith("signing_key.") else "api_key"
+              if kind.startswith("api_key.") else "run" if kind == RUN_EVENT_KIND
+              else "gate" if kind == GATE_EVENT_KIND else "policy")
+    given = [name for name, value in stated.items() if value is not None]
+    if given != [field_]:
+        raise ValueError(f"a {kind} event states its {field_} and nothing else")
+    record = stated[field_]
+    assert record is not None
+    if field_ == "key":
+        target = str(record["keyid"])
+        digest, name = target, f"signing_key:{target}"
+    elif field_ == "api_key":
+        target = str(record["id"])
+        digest, name = str(record["key_hash"]), f"api_key:{target}"
+    else:
+        target = str(record["id"])
+        digest = record_digest(record)
+        name = f"{'policy' if field_ == 'policy' else 'reverification_run'}:{target}"
+    return target, [{"name": name, "digest": {"sha256": digest}}], {field_: dict(record)}
+
+
 def admin_event_statement(*, event_id: str, kind: str, actor: str, at: datetime,
                           key: Mapping[str, Any] | None = None,
-                          api_key: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                          api_key: Mapping[str, Any] | None = None,
+                          policy: Mapping[str, Any] | None = None,
+                          run: Mapping[str, Any] | None = None,
+                          gate: Mapping[str, Any] | None = None) -> dict[str, Any]:
     if kind not in ADMIN_EVENT_KINDS:
         raise ValueError(f"unknown admin event kind {kind!r}")
-    if kind.startswith("signing_key."):
-        if key is None or api_key is not None:
-            raise ValueError(f"a {kind} event states a signing key")
-        target = str(key["keyid"])
-        subject = [{"name": f"signing_key:{target}", "digest": {"sha256": target}}]
-        body: dict[str, Any] = {"key": dict(key)}
-    else:
-        if api_key is None or key is not None:
-            raise ValueError(f"a {kind} event states an API key")
-        target = str(api_key["id"])
-        subject = [{"name": f"api_key:{target}", "digest": {"sha256": api_key["key_hash"]}}]
-        body = {"api_key": dict(api_key)}
+    target, subject, body = _admin_body(kind, {"key": key, "api_key": api_key,
+                                               "policy": policy, "run": run, "gate": gate})
     return {
         "_type": STATEMENT_TYPE,
         "subject": subject,

@@ -30,6 +30,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from ledger.core.statements import ADMIN_EVENT_KINDS
 from ledger.core.states import (
     DisputeState,
     JobState,
@@ -336,10 +337,6 @@ class DisputeEvent(Base):
     at: Mapped[datetime] = _now()
     dsse: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
     __table_args__ = (UniqueConstraint("dispute_id", "seq"),)
-
-
-ADMIN_EVENT_KINDS = ("signing_key.registered", "signing_key.revoked", "api_key.created",
-                     "api_key.revoked", "api_key.role_changed")
 
 
 class AdminEvent(Base):

@@ -1,11 +1,13 @@
 """Registry leaves in the database: appending them, and auditing the key tables against them.
 
-Every change to ``signing_keys`` and ``api_keys`` made through the services with the
-ledger's service key appends an ``admin_event`` leaf (see :mod:`ledger.core.statements`)
+Every change to ``signing_keys``, ``api_keys`` and ``reverification_policies`` made
+through the services with the ledger's service key, and every window the beat claims in
+``reverification_runs``, appends an ``admin_event`` leaf (see :mod:`ledger.core.statements`)
 in the same transaction. :func:`vouched_keys` reads the leaves back, believes only those
 signed by a trust-policy service key, folds them (:class:`ledger.core.registry.Registry`)
-and reports every row of the key tables that the leaves do not account for: an insider who
-inserts a key row, flips a status or changes a role without the service key shows up here.
+and reports every row of those tables that the leaves do not account for: an insider who
+inserts a key row, flips a status, changes a role, pauses, edits or deletes a policy, or
+claims a window so that it is never sampled, without the service key, shows up here.
 """
 
 from __future__ import annotations
@@ -27,11 +29,21 @@ from ledger.core.registry import RegisteredKey, Registry, RegistryError, open_ad
 from ledger.core.statements import (
     admin_event_statement,
     api_key_record,
+    gate_record,
+    policy_record,
+    run_record,
     signing_key_record,
     timestamp,
 )
 from ledger.core.trust import TrustPolicy
-from ledger.db.models import AdminEvent, ApiKey, LogEntry, SigningKey
+from ledger.db.models import (
+    AdminEvent,
+    ApiKey,
+    LogEntry,
+    ReverificationPolicy,
+    ReverificationRun,
+    SigningKey,
+)
 from ledger.replay.records import Signer, append_signed
 
 Problem = tuple[int | None, str]
@@ -40,23 +52,30 @@ __all__ = [
     "RegisteredKey",
     "api_key_event",
     "append_admin_event",
+    "gate_event",
     "key_event",
+    "policy_event",
     "registry_from_leaves",
+    "run_event",
     "vouched_keys",
 ]
 
 
 def append_admin_event(session: Session, signer: Signer, *, kind: str, actor: str,
                        key: Mapping[str, Any] | None = None,
-                       api_key: Mapping[str, Any] | None = None) -> AdminEvent:
+                       api_key: Mapping[str, Any] | None = None,
+                       policy: Mapping[str, Any] | None = None,
+                       run: Mapping[str, Any] | None = None,
+                       gate: Mapping[str, Any] | None = None) -> AdminEvent:
     """Sign an admin event with the service key and append it as a log leaf; the caller's
-    transaction holds the key-table change it records."""
+    transaction holds the table change it records."""
     if signer.purpose != "ledger":
         raise ValueError("registry leaves are signed by the ledger's service key")
     event_id = f"admin-{uuid.uuid4()}"
     at = datetime.now(UTC)
     statement = admin_event_statement(event_id=event_id, kind=kind, actor=actor, at=at,
-                                      key=key, api_key=api_key)
+                                      key=key, api_key=api_key, policy=policy, run=run,
+                                      gate=gate)
     appended = append_signed(session, "admin_event", event_id, statement, signer)
     pred = statement["predicate"]
     row = AdminEvent(log_index=appended.log_index, event_id=event_id, kind=kind, actor=actor,
@@ -76,6 +95,31 @@ def key_event(row: SigningKey) -> dict[str, Any]:
 def api_key_event(row: ApiKey) -> dict[str, Any]:
     return api_key_record(id=str(row.id), name=row.name, role=row.role, prefix=row.prefix,
                           key_hash=bytes(row.key_hash), revoked_at=row.revoked_at)
+
+
+def policy_event(row: ReverificationPolicy) -> dict[str, Any]:
+    return policy_record(
+        id=str(row.id), name=row.name, interval_seconds=row.interval_seconds,
+        sample_size=row.sample_size, sample_rate=row.sample_rate,
+        model_sha256=row.model_sha256, fingerprint_id=row.fingerprint_id, channel=row.channel,
+        min_age_seconds=row.min_age_seconds, max_age_seconds=row.max_age_seconds,
+        enabled=row.enabled, drift_alert_threshold=row.drift_alert_threshold,
+        created_by=row.created_by, created_at=row.created_at,
+        first_window_start=row.first_window_start)
+
+
+def run_event(row: ReverificationRun) -> dict[str, Any]:
+    return run_record(id=str(row.id), policy_id=str(row.policy_id),
+                      window_start=row.window_start, window_end=row.window_end,
+                      sampled=row.sampled)
+
+
+def gate_event(row: ReverificationRun) -> dict[str, Any]:
+    d = row.details
+    return gate_record(id=str(row.id), new_fingerprint=str(d.get("new_fingerprint")),
+                       model_sha256=str(d.get("model_sha256")),
+                       baseline_fingerprint=str(d.get("baseline_fingerprint")),
+                       sampled=row.sampled)
 
 
 def _trusted_signers(session: Session, trust: TrustPolicy | None) -> tuple[dict[str, bytes],
@@ -213,4 +257,78 @@ def vouched_keys(session: Session, trust: TrustPolicy | None
             problems.append((reg_api.created_index, f"the leaf at log index "
                              f"{reg_api.created_index} creates API key {aid}, which api_keys "
                              "lacks"))
+    problems.extend(_policy_problems(session, registry))
     return dict(registry.keys), problems
+
+
+def _policy_problems(session: Session, registry: Registry) -> list[Problem]:
+    """Rows of ``reverification_policies`` and of the policy windows in
+    ``reverification_runs`` against the leaves: a policy paused, edited, inserted or deleted
+    in the table alone, a window claimed or removed without its leaf."""
+    problems: list[Problem] = []
+    seen: set[str] = set()
+    for row in session.scalars(select(ReverificationPolicy).order_by(
+            ReverificationPolicy.created_at)):
+        pid = str(row.id)
+        seen.add(pid)
+        what = f"re-verification policy {pid} ({row.name!r})"
+        reg = registry.policies.get(pid)
+        if reg is None:
+            problems.append((None, f"{what} has no creation leaf signed by a trusted "
+                                   "service key"))
+            continue
+        if reg.deleted_index is not None:
+            problems.append((reg.deleted_index, f"{what} was deleted by the leaf at log "
+                                                f"index {reg.deleted_index}, but its row "
+                                                "is still there"))
+            continue
+        stated = policy_event(row)
+        for name, value in stated.items():
+            _differs(problems, reg.last_index, what, name, value, reg.record[name])
+    for pid, reg in registry.policies.items():
+        if pid not in seen and reg.deleted_index is None:
+            problems.append((reg.last_index, f"the leaf at log index {reg.created_index} "
+                             f"creates re-verification policy {pid} "
+                             f"({reg.record['name']!r}), which reverification_policies "
+                             "lacks and no leaf deleted"))
+    seen_runs: set[str] = set()
+    for run in session.scalars(select(ReverificationRun).order_by(
+            ReverificationRun.created_at)):
+        rid = str(run.id)
+        seen_runs.add(rid)
+        if run.kind == "gate":
+            problems.extend(_gate_problems(run, registry))
+            continue
+        what = f"re-verification run {rid}"
+        reg_run = registry.runs.get(rid)
+        if reg_run is None:
+            problems.append((None, f"{what} has no window-claim leaf signed by a trusted "
+                                   "service key"))
+            continue
+        stated = run_event(run)
+        if run.policy_id is None:  # detached when its policy was deleted (by a leaf)
+            policy = registry.policies.get(str(reg_run.record["policy_id"]))
+            if policy is not None and policy.deleted_index is not None:
+                stated["policy_id"] = reg_run.record["policy_id"]
+        for name, value in stated.items():
+            _differs(problems, reg_run.index, what, name, value, reg_run.record[name])
+    for rid, reg_run in registry.runs.items():
+        if rid not in seen_runs:
+            problems.append((reg_run.index, f"the leaf at log index {reg_run.index} claims "
+                             f"re-verification run {rid}, which reverification_runs lacks"))
+    for gid, reg_gate in registry.gates.items():
+        if gid not in seen_runs:
+            problems.append((reg_gate.index, f"the leaf at log index {reg_gate.index} claims "
+                             f"fingerprint gate {gid}, which reverification_runs lacks"))
+    return problems
+
+
+def _gate_problems(run: ReverificationRun, registry: Registry) -> list[Problem]:
+    what = f"fingerprint gate {run.id}"
+    reg = registry.gates.get(str(run.id))
+    if reg is None:
+        return [(None, f"{what} has no claim leaf signed by a trusted service key")]
+    problems: list[Problem] = []
+    for name, value in gate_event(run).items():
+        _differs(problems, reg.index, what, name, value, reg.record[name])
+    return problems

@@ -2,13 +2,18 @@
 re-publishing jobs), samples due re-verification windows, starts fingerprint-change
 gates and sends alerts (drift above a policy threshold, failed gates) to the webhook.
 Exactly one runs: it holds a Postgres advisory lock for its lifetime, and a second beat
-waits for the lock instead of ticking beside the first."""
+waits for the lock instead of ticking beside the first. A worker that registers notifies
+the beat (``NOTIFY ledger_workers``), which ticks at once: the jobs and disputes waiting
+for that worker's fingerprint are routed to it, their reason refreshed, without waiting
+for the next interval."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import Engine, text
 
@@ -34,14 +39,28 @@ def tick(engine: Engine, publisher: Publisher | None, settings: Settings,
     report = jobs.sweep(engine, publisher, settings, signer, actor="beat")
     out["published"], out["awaiting"], out["recovered"] = (
         len(report.published), len(report.awaiting), len(report.recovered))
-    out["runs"] = len(reverification.run_due(engine, settings))
-    out["gates"] = len(gate.check_new_fingerprints(engine, settings))
+    out["runs"] = len(reverification.run_due(engine, settings, signer))
+    out["gates"] = len(gate.check_new_fingerprints(engine, settings, signer))
     if out["runs"] or out["gates"]:  # publish what they created without waiting a tick
         jobs.sweep(engine, publisher, settings, signer, actor="beat")
     from ledger.replay import alerts
 
     out.update(alerts.tick(engine, settings, signer))  # with LEDGER_WEBHOOK_URL only
     return out
+
+
+def _until_next_tick(driver: Any, woken: threading.Event, interval_s: float,
+                     stop: threading.Event) -> None:
+    """Wait ``interval_s``, or less: until a worker registers (a notification on the lock's
+    connection, received now or during the tick) or ``stop`` is set."""
+    deadline = time.monotonic() + interval_s
+    while not stop.is_set() and not woken.is_set():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        for _ in driver.notifies(timeout=min(left, 0.25), stop_after=1):
+            woken.set()
+    woken.clear()
 
 
 def run(engine: Engine, publisher: Publisher | None, settings: Settings,
@@ -77,7 +96,12 @@ def _run_locked(engine: Engine, publisher: Publisher | None, settings: Settings,
                     text("SELECT pg_try_advisory_lock(:k)"), {"k": BEAT_LOCK_KEY}).scalar_one():
                 lock_conn.commit()
                 stop.wait(interval_s)
+        lock_conn.execute(text(f"LISTEN {jobs.WORKER_CHANNEL}"))
         lock_conn.commit()
+        driver = lock_conn.connection.driver_connection
+        assert driver is not None
+        woken = threading.Event()
+        driver.add_notify_handler(lambda _n: woken.set())
         while not stop.is_set():
             lock_conn.execute(text("SELECT 1"))  # the lock lives as long as this session
             lock_conn.commit()
@@ -87,6 +111,6 @@ def _run_locked(engine: Engine, publisher: Publisher | None, settings: Settings,
                     on_tick(counts)
             except Exception as exc:  # noqa: BLE001 - a blip must not stop the beat
                 log.warning("beat tick failed: %s", exc)
-            stop.wait(interval_s)
+            _until_next_tick(driver, woken, interval_s, stop)
         lock_conn.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": BEAT_LOCK_KEY})
         lock_conn.commit()

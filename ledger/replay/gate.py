@@ -20,6 +20,7 @@ from ledger.core.fingerprint import fingerprint_material
 from ledger.db.models import Envelope, Fingerprint, ReverificationRun, Worker
 from ledger.db.session import session_scope
 from ledger.replay import jobs
+from ledger.replay.records import Signer
 from ledger.replay.reverification import JOB_BATCH
 from ledger.settings import Settings
 
@@ -32,8 +33,17 @@ def _similarity(a: dict[str, Any], b: dict[str, Any]) -> int:
     return sum(1 for k in set(ma) | set(mb) if ma.get(k) == mb.get(k))
 
 
-def check_new_fingerprints(engine: Engine, settings: Settings) -> list[uuid.UUID]:
+def check_new_fingerprints(engine: Engine, settings: Settings,
+                           signer: Signer | None) -> list[uuid.UUID]:
+    """Claim a gate for each live fingerprint that is new for a model its worker serves;
+    each claim is a ``gate.claimed`` admin event signed by the service key (``signer``;
+    nothing is claimed without it), so a gate claimed in the database alone is reported by
+    ``ledger audit``."""
+    from ledger.log.registry import append_admin_event, gate_event
+
     made: list[uuid.UUID] = []
+    if signer is None:
+        return made
     with session_scope(engine) as session:
         live = jobs.live_fingerprints(session, settings)
         for fp in sorted(live):
@@ -78,6 +88,10 @@ def check_new_fingerprints(engine: Engine, settings: Settings) -> list[uuid.UUID
                     .on_conflict_do_nothing().returning(ReverificationRun.id)).first()
                 if inserted is None:
                     continue
+                run = session.get(ReverificationRun, run_id)
+                assert run is not None
+                append_admin_event(session, signer, kind="gate.claimed", actor="beat",
+                                   gate=gate_event(run))
                 for start in range(0, len(sample), JOB_BATCH):
                     jobs.create_job(session, fingerprint_id=fp, kind="gate",
                                     items=[(r.log_index, r.request_id, None)

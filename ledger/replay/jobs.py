@@ -32,6 +32,10 @@ from ledger.settings import Settings
 log = logging.getLogger("ledger.jobs")
 
 
+#: the channel a worker notifies when it registers (``ledger beat`` listens and ticks)
+WORKER_CHANNEL = "ledger_workers"
+
+
 def live_fingerprints(session: Session, settings: Settings) -> dict[str, list[str]]:
     """fingerprint_id -> live worker IDs (heartbeat within ``worker_dead_after_s``)."""
     cutoff = datetime.now(UTC) - timedelta(seconds=settings.worker_dead_after_s)
@@ -67,8 +71,8 @@ def worker_command(runtime: dict[str, Any] | None) -> str:
 
 def no_worker_reason(fingerprint_id: str, runtime: dict[str, Any] | None = None) -> str:
     return (f"no live worker has fingerprint {fingerprint_id}; the job waits for one: "
-            f"{worker_command(runtime)} (then `ledger beat` routes the job to it within "
-            "a tick)")
+            f"{worker_command(runtime)} (`ledger beat` routes the job to it as soon as it "
+            "registers)")
 
 
 def _reason(session: Session, fingerprint_id: str) -> str:

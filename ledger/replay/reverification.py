@@ -7,6 +7,9 @@ so running the sampler twice, or twice at once, creates and publishes its jobs o
 candidates of a window are the envelopes recorded in it, shifted back by ``min_age`` (so
 each envelope belongs to exactly one window and is old enough), filtered by the policy.
 Sampling is deterministic: candidates are ranked by SHA-256(policy id || request_id).
+Each claim is also a ``policy.window_claimed`` admin event signed by the service key in the
+same transaction, so a window claimed in the database alone (to keep it from ever being
+sampled) is reported by ``ledger audit``; a beat without the service key claims nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ledger.db.models import (
 from ledger.db.session import session_scope
 from ledger.errors import NotFound
 from ledger.replay import jobs
+from ledger.replay.records import Signer
 from ledger.settings import Settings
 
 JOB_BATCH = 32          # envelopes per replay job
@@ -91,8 +95,11 @@ def sample(session: Session, policy: ReverificationPolicy, window_start: datetim
 
 
 def claim_window(session: Session, policy: ReverificationPolicy, window_start: datetime,
-                 settings: Settings, now: datetime) -> ReverificationRun | None:
-    """Claim one window and create its jobs; None if another sampler claimed it."""
+                 settings: Settings, now: datetime, signer: Signer) -> ReverificationRun | None:
+    """Claim one window, create its jobs and sign the claim; None if another sampler
+    claimed it."""
+    from ledger.log.registry import append_admin_event, run_event
+
     run_id = uuid.uuid4()
     window_end = window_start + timedelta(seconds=policy.interval_seconds)
     inserted = session.execute(pg_insert(ReverificationRun).values(
@@ -115,12 +122,18 @@ def claim_window(session: Session, policy: ReverificationPolicy, window_start: d
     assert run is not None
     run.sampled = len(picked)
     session.flush()
+    append_admin_event(session, signer, kind="policy.window_claimed", actor="beat",
+                       run=run_event(run))
     return run
 
 
-def run_due(engine: Engine, settings: Settings,
+def run_due(engine: Engine, settings: Settings, signer: Signer | None,
             now: datetime | None = None) -> list[uuid.UUID]:
-    """Claim every due window of every enabled policy (the beat calls this each tick)."""
+    """Claim every due window of every enabled policy (the beat calls this each tick);
+    nothing without the service key (``signer``), whose leaves make the claims
+    auditable."""
+    if signer is None:
+        return []
     now = now or datetime.now(UTC)
     made: list[uuid.UUID] = []
     with session_scope(engine) as session:
@@ -130,7 +143,7 @@ def run_due(engine: Engine, settings: Settings,
             claimed = set(session.scalars(select(ReverificationRun.window_start).where(
                 ReverificationRun.policy_id == policy.id)))
             for window_start in due_windows(policy, claimed, now):
-                run = claim_window(session, policy, window_start, settings, now)
+                run = claim_window(session, policy, window_start, settings, now, signer)
                 if run is not None:
                     made.append(run.id)
     return made

@@ -85,6 +85,10 @@ def settings_problems(settings: Settings, component: str, *,
         if settings.log_key_file is None:
             problems.append(_p("log_key_file", "is not set: set it to the log's private key "
                                "(the beat runs the integrator)", kind="insecure"))
+        if settings.service_key_file is None:
+            problems.append(_p("service_key_file", "is not set: re-verification windows "
+                               "are not claimed (each claim is signed with it)",
+                               kind="advice"))
     elif component == "worker":
         if worker_key is None and settings.worker_key_file is None:
             problems.append(_p("worker_key_file", "is not set: set it (or pass --key) to this "

@@ -1,5 +1,7 @@
 """Scheduled re-verification policies: create one (idempotently by name), pause, resume
-and delete, each recorded as an admin action."""
+and delete. Each change is a signed ``admin_event`` leaf in the same transaction
+(:mod:`ledger.log.registry`; ``ledger audit`` reports a policy row that its leaves do not
+account for) and an admin action in ``audit_events``."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from sqlalchemy.orm import Session
 
 from ledger.db.models import ReverificationPolicy
 from ledger.errors import Conflict
+from ledger.log.registry import append_admin_event, policy_event
+from ledger.replay.records import Signer
 from ledger.services import audit
 from ledger.services.apikeys import Principal
 
@@ -24,7 +28,8 @@ class CreateOutcome(StrEnum):
     EXISTING = "existing"  # a policy of this name with exactly these settings
 
 
-def create_policy(session: Session, principal: Principal, fields: Mapping[str, Any],
+def create_policy(session: Session, principal: Principal, signer: Signer,
+                  fields: Mapping[str, Any],
                   first_window_start: datetime | None = None
                   ) -> tuple[ReverificationPolicy, CreateOutcome]:
     """Create the policy ``fields`` describe (``name`` among them). The same request again
@@ -45,24 +50,36 @@ def create_policy(session: Session, principal: Principal, fields: Mapping[str, A
         session.flush()
     except IntegrityError as exc:
         raise Conflict(f"a policy named {name!r} exists", code="policy_exists") from exc
+    session.refresh(policy)  # created_at, the server's
+    append_admin_event(session, signer, kind="policy.created", actor=principal.name,
+                       policy=policy_event(policy))
     audit.record(session, principal, "policy.create", str(policy.id), name=name)
     return policy, CreateOutcome.CREATED
 
 
-def set_enabled(session: Session, principal: Principal, policy_id: str,
+def set_enabled(session: Session, principal: Principal, signer: Signer, policy_id: str,
                 enabled: bool) -> ReverificationPolicy:
-    """Pause (``enabled=False``) or resume a policy; recorded."""
+    """Pause (``enabled=False``) or resume a policy; recorded. Asking for the state it is
+    in changes and records nothing."""
     from ledger.replay import reverification
 
-    policy = reverification.set_policy_enabled(session, policy_id, enabled)
+    policy = reverification.get_policy(session, policy_id, lock=True)
+    if policy.enabled == enabled:
+        return policy
+    reverification.set_policy_enabled(session, policy_id, enabled)
+    append_admin_event(session, signer, kind="policy.resumed" if enabled else "policy.paused",
+                       actor=principal.name, policy=policy_event(policy))
     audit.record(session, principal, "policy.resume" if enabled else "policy.pause",
                  policy_id, name=policy.name)
     return policy
 
 
-def delete(session: Session, principal: Principal, policy_id: str) -> None:
+def delete(session: Session, principal: Principal, signer: Signer, policy_id: str) -> None:
     """Delete a policy (its runs and reports stay, detached); recorded."""
     from ledger.replay import reverification
 
+    stated = policy_event(reverification.get_policy(session, policy_id, lock=True))
+    append_admin_event(session, signer, kind="policy.deleted", actor=principal.name,
+                       policy=stated)
     name = reverification.delete_policy(session, policy_id)
     audit.record(session, principal, "policy.delete", policy_id, name=name)

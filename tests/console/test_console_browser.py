@@ -277,7 +277,11 @@ def test_reverification_drift_plot(browser: Any, console_stack: ConsoleStack) ->
             "first_window_start": base.isoformat(), "max_age_seconds": 7200},
             headers={"Authorization": f"Bearer {stack.keys['admin']}"})
         assert r.status_code == 201, r.text
-    beat.tick(stack.db, stack.publisher, stack.settings, None)
+    from ledger.replay.records import Signer
+
+    # the beat claims windows with the service key: each claim is a signed leaf
+    beat.tick(stack.db, stack.publisher, stack.settings,
+              Signer.from_file(stack.settings.service_key_file, "ledger", "ledger-service"))
     stack.publisher.wait_idle(120)
     sign_in(browser, stack, "reviewer")
     browser.get(stack.url + "/console/reverification")

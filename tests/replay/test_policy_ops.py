@@ -20,8 +20,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from pydantic import SecretStr
 from sqlalchemy import func, select
 
-from ledger.db.models import Alert, AuditEvent, ReplayJob, ReverificationPolicy, ReverificationRun
+from ledger.db.models import (
+    AdminEvent,
+    Alert,
+    AuditEvent,
+    ReplayJob,
+    ReverificationRun,
+)
 from ledger.db.session import make_engine, session_scope
+from ledger.log.registry import vouched_keys
 from ledger.replay import alerts, gate, reverification
 from tests.helpers import ApiServer
 from tests.replay.conftest import Stack, record, tamper
@@ -41,11 +48,12 @@ def _drifting_run(stack: Stack, tiny_engine: Any, threshold: float | None) -> uu
                           signer=stack.worker_signer)
     worker.register()
     start = datetime.now(UTC) - timedelta(minutes=30)
-    with session_scope(stack.db) as s:
-        s.add(ReverificationPolicy(id=uuid.uuid4(), created_by="admin", name="all",
-                                   interval_seconds=3600, sample_rate=1.0,
-                                   first_window_start=start, drift_alert_threshold=threshold))
-    [run_id] = reverification.run_due(stack.db, stack.settings, start + timedelta(hours=1))
+    from tests.replay.test_reverification import _policy
+
+    _policy(stack, name="all", interval_seconds=3600, sample_rate=1.0,
+            first_window_start=start, drift_alert_threshold=threshold)
+    [run_id] = reverification.run_due(stack.db, stack.settings, stack.service,
+                                      start + timedelta(hours=1))
     with session_scope(stack.db) as s:
         job_ids = [str(j) for j in s.scalars(select(ReplayJob.id).where(
             ReplayJob.run_id == run_id))]
@@ -145,7 +153,7 @@ def test_drift_gauge_and_the_gate_summary_under_the_new_fingerprint(
     bf16 = ReplayWorker(stack.settings, stack.db, models=["tiny-demo"], dtype="bfloat16",
                         signer=stack.worker_signer)
     bf16.register()
-    [gate_run] = gate.check_new_fingerprints(stack.db, stack.settings)
+    [gate_run] = gate.check_new_fingerprints(stack.db, stack.settings, stack.service)
     with session_scope(stack.db) as s:
         job_ids = [str(j) for j in s.scalars(select(ReplayJob.id).where(
             ReplayJob.run_id == gate_run))]
@@ -164,6 +172,12 @@ def test_drift_gauge_and_the_gate_summary_under_the_new_fingerprint(
     positions = summary["first_divergence_positions"]
     assert len(positions) >= rep["counts"].get("diverged", 0)
     assert positions == sorted(positions) and all(p >= 0 for p in positions)
+    with session_scope(stack.db) as s:  # the claim is a signed leaf the audit accounts for
+        assert s.scalar(select(AdminEvent.kind).where(
+            AdminEvent.target == str(gate_run))) == "gate.claimed"
+        # (the stack's API and producer keys are provisioned without leaves)
+        assert [m for _, m in vouched_keys(s, stack.trust)[1]
+                if not m.startswith(("signing key", "API key"))] == []
     failed = not rep["gate"]["passed"]
     text = generate_latest(registry).decode()
     assert f"ledger_gate_failures_total {float(failed)}" in text, text
@@ -183,10 +197,11 @@ def test_pause_resume_and_delete_over_the_api(api: ApiServer) -> None:
             assert r.json()["drift_alert_threshold"] == 0.1
             paused = c.patch(f"/v1/reverification-policies/{pid}", json={"enabled": False})
             assert paused.status_code == 200 and paused.json()["enabled"] is False
-            assert reverification.run_due(db, api_settings(api)) == []  # paused: no windows
+            # paused: no windows
+            assert reverification.run_due(db, api_settings(api), api_service(api)) == []
             resumed = c.patch(f"/v1/reverification-policies/{pid}", json={"enabled": True})
             assert resumed.json()["enabled"] is True
-            made = reverification.run_due(db, api_settings(api))
+            made = reverification.run_due(db, api_settings(api), api_service(api))
             assert len(made) >= 2  # the windows that ended meanwhile
             bad = c.patch(f"/v1/reverification-policies/{pid}", json={"enabled": "maybe"})
             assert bad.status_code == 422
@@ -204,10 +219,21 @@ def test_pause_resume_and_delete_over_the_api(api: ApiServer) -> None:
                 AuditEvent.target == pid).order_by(AuditEvent.id))]
             assert actions == ["policy.create", "policy.pause", "policy.resume",
                                "policy.delete"], actions
+            leaves = [e.kind for e in s.scalars(select(AdminEvent).where(
+                AdminEvent.target == pid).order_by(AdminEvent.log_index))]
+            assert leaves == ["policy.created", "policy.paused", "policy.resumed",
+                              "policy.deleted"], leaves
             assert s.scalar(select(func.count()).select_from(ReverificationRun).where(
                 ReverificationRun.id.in_(made), ReverificationRun.policy_id.is_(None))) == len(made)
     finally:
         db.dispose()
+
+
+def api_service(api: ApiServer) -> Any:
+    from ledger.replay.records import Signer
+
+    return Signer.from_file(api.service_key_file, "ledger",  # type: ignore[attr-defined]
+                            "ledger-service")
 
 
 def api_settings(api: ApiServer) -> Any:

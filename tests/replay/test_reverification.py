@@ -15,15 +15,20 @@ from ledger.db.models import ReplayJob, ReverificationPolicy, ReverificationRun,
 from ledger.db.session import session_scope
 from ledger.replay import gate, jobs, reverification
 from ledger.replay.broker import CeleryPublisher
+from ledger.services import policies
+from ledger.services.apikeys import Principal
 from tests.replay.conftest import Stack, record
 from tests.replay.stack import RedisServer
 from tests.replay.test_replay_inprocess import ingest_all
 
+ADMIN = Principal(key_id=str(uuid.uuid4()), name="admin", role="admin")
+
 
 def _policy(stack: Stack, **kw: Any) -> ReverificationPolicy:
+    """A policy made as the API makes one: a signed leaf with its row."""
+    first = kw.pop("first_window_start", None)
     with session_scope(stack.db) as s:
-        p = ReverificationPolicy(id=uuid.uuid4(), created_by="admin", **kw)
-        s.add(p)
+        p, _ = policies.create_policy(s, ADMIN, stack.service, kw, first)
     return p
 
 
@@ -50,12 +55,12 @@ def test_sampler_claims_each_window_once_even_concurrently(
     now = start + timedelta(hours=1, seconds=1)
     results: list[list[uuid.UUID]] = []
     threads = [threading.Thread(target=lambda: results.append(
-        reverification.run_due(stack.db, stack.settings, now))) for _ in range(2)]
+        reverification.run_due(stack.db, stack.settings, stack.service, now))) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    again = reverification.run_due(stack.db, stack.settings, now)
+    again = reverification.run_due(stack.db, stack.settings, stack.service, now)
     made = [r for part in results for r in part] + again
     with session_scope(stack.db) as s:
         runs = s.scalars(select(ReverificationRun).where(
@@ -98,7 +103,8 @@ def test_run_report_counts_and_drift(stack: Stack, tiny_engine: Any) -> None:
     start = datetime.now(UTC) - timedelta(minutes=30)
     policy = _policy(stack, name="everything", interval_seconds=3600, sample_rate=1.0,
                      first_window_start=start)
-    [run_id] = reverification.run_due(stack.db, stack.settings, start + timedelta(hours=1))
+    [run_id] = reverification.run_due(stack.db, stack.settings, stack.service,
+                                      start + timedelta(hours=1))
     with session_scope(stack.db) as s:
         job_ids = [str(j) for j in s.scalars(select(ReplayJob.id).where(
             ReplayJob.run_id == run_id))]
@@ -124,9 +130,9 @@ def test_new_fingerprint_gets_a_gate_run_at_tolerance(stack: Stack, tiny_engine:
     bf16 = ReplayWorker(stack.settings, stack.db, models=["tiny-demo"], dtype="bfloat16",
                         signer=stack.worker_signer)
     bf16.register()
-    made = gate.check_new_fingerprints(stack.db, stack.settings)
+    made = gate.check_new_fingerprints(stack.db, stack.settings, stack.service)
     assert len(made) == 1
-    assert gate.check_new_fingerprints(stack.db, stack.settings) == []  # once
+    assert gate.check_new_fingerprints(stack.db, stack.settings, stack.service) == []  # once
     with session_scope(stack.db) as s:
         run = s.get(ReverificationRun, made[0])
         assert run.kind == "gate" and run.sampled == 6

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -133,7 +134,7 @@ def test_fingerprint_command_prints_what_a_started_worker_prints(stack: Stack,
 def test_awaiting_reason_names_the_command_and_is_refreshed_when_a_worker_registers(
         stack: Stack) -> None:
     from ledger.db.models import Dispute
-    from ledger.replay import jobs as job_service
+    from ledger.replay import beat
     from workers.engine import load_engine
     from workers.replay import ReplayWorker
 
@@ -148,8 +149,31 @@ def test_awaiting_reason_names_the_command_and_is_refreshed_when_a_worker_regist
         assert "`ledger worker --models DIR --dtype bfloat16`" in (d.state_reason or "")
     worker = ReplayWorker(stack.settings, stack.db, models=["tiny-demo"], dtype="bfloat16",
                           signer=stack.worker_signer)
-    worker.register()
-    job_service.sweep(stack.db, None, stack.settings, stack.service)  # one `ledger beat` tick
-    with session_scope(stack.db) as s:
-        d = s.get(Dispute, uuid.UUID(dispute_id))
-        assert d is not None and d.state == "queued" and d.state_reason is None
+    # a running beat whose next tick is a minute away routes the dispute as soon as the
+    # worker registers (it is notified), with a signed event
+    ticks: list[dict[str, int]] = []
+    stop = threading.Event()
+    beat_thread = threading.Thread(target=beat.run, args=(
+        stack.db, None, stack.settings, stack.service), kwargs={
+        "interval_s": 60.0, "stop": stop, "on_tick": ticks.append}, daemon=True)
+    beat_thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not ticks:
+            assert time.monotonic() < deadline, "the beat did not tick"
+            time.sleep(0.05)
+        registered = time.monotonic()
+        worker.register()
+        while True:
+            with session_scope(stack.db) as s:
+                d = s.get(Dispute, uuid.UUID(dispute_id))
+                assert d is not None
+                if d.state == "queued":
+                    break
+            assert time.monotonic() - registered < 20, "the dispute was not routed"
+            time.sleep(0.1)
+        assert d.state_reason is None and len(ticks) >= 2
+    finally:
+        stop.set()
+        beat_thread.join(30)
+    assert not beat_thread.is_alive()

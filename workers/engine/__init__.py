@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 #: Version of the reference engine's numerics (part of every fingerprint). Bump it when a
 #: change can alter any output bit: kernels, chunk sizes, sampler, model code.
-ENGINE_VERSION = "0.1.0"
+ENGINE_VERSION = "0.2.0"
 
 if TYPE_CHECKING:
     from workers.engine.reference import ReferenceEngine

@@ -142,6 +142,20 @@ class KVCache:
         self.k[layer][slots, :, positions] = k
         self.v[layer][slots, :, positions] = v
 
+    def grow(self, slots: int, max_seq: int) -> KVCache:
+        """A larger cache holding this one's contents (slots and positions keep their
+        place). The old buffers are released once the caller drops this object."""
+        bigger = KVCache.__new__(KVCache)
+        bigger.slots, bigger.max_seq = max(slots, self.slots), max(max_seq, self.max_seq)
+        bigger.k, bigger.v = [], []
+        for k, v in zip(self.k, self.v, strict=True):
+            shape = (bigger.slots, k.shape[1], bigger.max_seq, k.shape[3])
+            for old, new in ((k, bigger.k), (v, bigger.v)):
+                buf = old.new_zeros(shape)
+                buf[:self.slots, :, :self.max_seq] = old
+                new.append(buf)
+        return bigger
+
     def move_slot(self, src: int, dst: int) -> None:
         for k, v in zip(self.k, self.v, strict=True):
             k[dst].copy_(k[src])
@@ -220,26 +234,56 @@ def prefill(
     model: Transformer, cache: KVCache, tokens: Tensor, positions: Tensor, slots: Tensor,
     cu_seqlens: Tensor,
 ) -> Tensor:
-    """Run whole prompts, fill their cache slots; logits of each prompt's last token.
+    """Run packed prompt *chunks*, fill their cache slots; logits of each chunk's last token.
 
-    tokens, positions, slots [T] int64 (packed prompts); cu_seqlens [B+1] int32.
-    Returns fp32 [B, V].
+    tokens, positions, slots [T] int64; cu_seqlens [C+1] int32 delimits the chunks. A chunk
+    is consecutive positions of one sequence (one slot); it may start past position 0 (the
+    rest of a chunked prompt, or the suffix after a prefix-cache hit), in which case the
+    earlier positions are already in the cache. Returns fp32 [C, V].
+
+    In batch-invariant mode every query attends over the slot's cache (its own k/v written
+    first) with the decode attention kernel, KV in fixed blocks in a fixed order: a
+    position's result depends only on the cache contents up to it, never on where the
+    chunk boundaries fell or what else was packed (see ``ops.chunk_attention``).
     """
     cfg = model.config
     scale = cfg.head_dim ** -0.5
+    chunks = chunk_table(cu_seqlens, slots, positions)
+    whole = all(p0 == 0 for _, _, _, p0 in chunks)      # default mode may use flash SDPA
+    fast_whole = whole and not ops.is_batch_invariant()
     x = model.embed[tokens]                                               # [T, hidden]
     rope = model.rope(positions)
     for i, layer in enumerate(model.layers):
         q, k, v = _attention_qkv(
             model, layer, i, ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), rope,
-            cache, slots, positions, need_kv=True,
+            cache, slots, positions, need_kv=fast_whole,
         )
-        assert k is not None and v is not None
-        attn = ops.prefill_attention(q, k, v, cu_seqlens, scale)          # [T, Hq, D]
+        if fast_whole:
+            assert k is not None and v is not None
+            attn = ops.prefill_attention(q, k, v, cu_seqlens, scale)      # [T, Hq, D]
+        else:
+            attn = ops.chunk_attention(q, cache.k[i], cache.v[i], chunks, scale)
         x = x + ops.linear(attn.reshape(x.shape[0], -1), layer.wo, layer.bo)
         x = x + _mlp(layer, ops.rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps))
-    last = cu_seqlens[1:].to(torch.int64) - 1                             # [B]
+    last = cu_seqlens[1:].to(torch.int64) - 1                             # [C]
     return _logits(model, x[last])
+
+
+def chunk_table(
+    cu_seqlens: Tensor, slots: Tensor, positions: Tensor
+) -> list[tuple[int, int, int, int]]:
+    """(slot, first packed row, length, first position) of each chunk, on the host."""
+    bounds = [int(c) for c in cu_seqlens.tolist()]
+    starts = torch.tensor(bounds[:-1], dtype=torch.int64)
+    if len(bounds) > 1 and bounds[-1] > 0:
+        index = starts.clamp(max=bounds[-1] - 1).to(slots.device)
+        first_slots = slots[index].tolist()
+        first_positions = positions[index].tolist()
+    else:
+        first_slots = first_positions = [0] * (len(bounds) - 1)
+    return [(int(s), a, b - a, int(p))
+            for s, p, a, b in zip(first_slots, first_positions, bounds[:-1], bounds[1:],
+                                  strict=True) if b > a]
 
 
 def decode_one_token(

@@ -176,3 +176,46 @@ def prefill_attention(
     if q.is_cuda:
         return torch_kernels.fast_prefill_attention_cuda(q, k, v, cu_seqlens, scale)
     return torch_kernels.fast_prefill_attention(q, k, v, cu_seqlens, scale)
+
+
+#: Query rows per decode-kernel call in ``chunk_attention`` times KV heads (not numerics).
+_CHUNK_ROWS_PER_CALL = 4096
+
+
+def chunk_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, chunks: list[tuple[int, int, int, int]],
+    scale: float,
+) -> Tensor:
+    """Causal attention of packed prompt chunks over their slots' KV cache.
+
+    q [T, Hq, D]; caches [slots, Hkv, S, D] already hold every chunk's own k/v; chunks:
+    (slot, first row in q, length, first position) on the host. -> [T, Hq, D]
+
+    Batch-invariant mode runs the **decode** attention kernel for every query row (a query
+    at position p is a decode row of length p + 1 over its slot, the slot broadcast as a
+    stride-0 view): KV in fixed-size blocks (``DECODE_KV_BLOCK`` on CPU, ``KV_SPLIT`` on
+    CUDA) combined in a fixed order. A position's output therefore depends only on the
+    cache contents up to it: the same whether its prompt was prefilled in one pass, in
+    chunks of any size, after a prefix-cache hit, or next to any co-tenant.
+    """
+    out = torch.empty_like(q)
+    invariant = _BATCH_INVARIANT.get()
+    for slot, row, n, p0 in chunks:
+        end = p0 + n
+        qs = q[row:row + n]                                               # [n, Hq, D]
+        if invariant:
+            # Rows per call: the Triton kernel keeps one counter per (row, KV head) in a
+            # 4096-entry buffer that captured decode graphs point at; never make it grow.
+            step = max(1, _CHUNK_ROWS_PER_CALL // k_cache.shape[1])
+            for a in range(0, n, step):
+                m = min(step, n - a)
+                stop = p0 + a + m
+                kc = k_cache[slot:slot + 1, :, :stop].expand(m, -1, -1, -1)  # [m, Hkv, S', D]
+                vc = v_cache[slot:slot + 1, :, :stop].expand(m, -1, -1, -1)
+                lens = torch.arange(p0 + a + 1, stop + 1, device=q.device, dtype=torch.int32)
+                out[row + a:row + a + m] = _bi(q).bi_decode_attention(
+                    qs[a:a + m], kc, vc, lens, scale)
+        else:
+            out[row:row + n] = torch_kernels.fast_chunk_attention(
+                qs, k_cache[slot, :, :end], v_cache[slot, :, :end], p0, scale)
+    return out

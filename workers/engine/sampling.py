@@ -101,44 +101,73 @@ class BatchSampler:
             for row, prompt in enumerate(prompts):
                 self.in_prompt[row, torch.tensor(list(prompt), device=device)] = True
 
+    def add(self, params: SamplingParams, prompt: Sequence[int]) -> None:
+        """Append a row (a request that joined the batch) after the existing ones."""
+        self.params.append(params)
+        if self.penalised or params.repetition_penalty != 1.0 \
+                or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+            b, v = len(self.params), self.vocab_size
+            if self.counts is None or self.in_prompt is None:
+                self.counts = torch.zeros((b - 1, v), dtype=torch.int32, device=self.device)
+                self.in_prompt = torch.zeros((b - 1, v), dtype=torch.bool, device=self.device)
+            self.penalised = True
+            row = torch.zeros((1, v), dtype=torch.bool, device=self.device)
+            row[0, torch.tensor(list(prompt), device=self.device)] = True
+            self.counts = torch.cat([self.counts, self.counts.new_zeros((1, v))])
+            self.in_prompt = torch.cat([self.in_prompt, row])
+
     def compact(self, rows: Sequence[int]) -> None:
         """Keep rows ``rows`` (new row i = old row rows[i])."""
         self.params = [self.params[r] for r in rows]
         if self.counts is not None and self.in_prompt is not None:
-            index = torch.tensor(list(rows), device=self.device)
+            index = torch.tensor(list(rows), device=self.device, dtype=torch.int64)
             self.counts = self.counts[index]
             self.in_prompt = self.in_prompt[index]
 
-    def record(self, tokens: Tensor) -> None:
-        """Count the tokens [B] just chosen (for frequency/presence/repetition penalties)."""
+    def _rows(self, rows: Sequence[int] | None, n: int) -> Tensor:
+        return torch.tensor(list(range(n)) if rows is None else list(rows),
+                            device=self.device, dtype=torch.int64)
+
+    def record(self, tokens: Tensor, rows: Sequence[int] | None = None) -> None:
+        """Count the tokens [B] just chosen (for frequency/presence/repetition penalties);
+        ``rows``: the sampler rows they belong to (default: all rows in order)."""
         if self.counts is not None:
-            self.counts[torch.arange(tokens.shape[0], device=self.device), tokens] += 1
+            self.counts[self._rows(rows, tokens.shape[0]), tokens] += 1
 
     def _column(self, values: list[float]) -> Tensor:
         return torch.tensor(values, dtype=torch.float32, device=self.device)[:, None]
 
-    def penalise(self, logits: Tensor) -> Tensor:
+    def penalise(self, logits: Tensor, rows: Sequence[int] | None = None) -> Tensor:
         """Apply repetition, frequency and presence penalties. logits fp32 [B, V]."""
         if self.counts is None or self.in_prompt is None:
             return logits
-        rep = self._column([p.repetition_penalty for p in self.params])
-        freq = self._column([p.frequency_penalty for p in self.params])
-        pres = self._column([p.presence_penalty for p in self.params])
-        seen = self.counts > 0
+        params = self.params if rows is None else [self.params[r] for r in rows]
+        if not any(p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+                   or p.frequency_penalty != 0.0 for p in params):
+            return logits
+        index = self._rows(rows, logits.shape[0])
+        counts, in_prompt = self.counts[index], self.in_prompt[index]
+        rep = self._column([p.repetition_penalty for p in params])
+        freq = self._column([p.frequency_penalty for p in params])
+        pres = self._column([p.presence_penalty for p in params])
+        seen = counts > 0
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen | self.in_prompt, penalised, logits)
-        return logits - freq * self.counts.float() - pres * seen.float()
+        logits = torch.where(seen | in_prompt, penalised, logits)
+        return logits - freq * counts.float() - pres * seen.float()
 
-    def choose(self, logits: Tensor, steps: Sequence[int]) -> Tensor:
-        """Token per row [B] (int64) from raw fp32 logits [B, V]; steps[b] = tokens so far."""
-        x = self.penalise(logits)
+    def choose(self, logits: Tensor, steps: Sequence[int],
+               rows: Sequence[int] | None = None) -> Tensor:
+        """Token per row [B] (int64) from raw fp32 logits [B, V]; steps[b] = tokens so far;
+        ``rows``: the sampler row of each logits row (default: all rows in order)."""
+        params = self.params if rows is None else [self.params[r] for r in rows]
+        x = self.penalise(logits, rows)
         tokens = argmax_first(x)                                          # greedy rows keep this
-        sampled = [r for r, p in enumerate(self.params) if p.temperature > 0]
+        sampled = [r for r, p in enumerate(params) if p.temperature > 0]
         if sampled:
-            rows = torch.tensor(sampled, device=self.device)
-            chosen = self._sample(x[rows], [self.params[r] for r in sampled],
+            index = torch.tensor(sampled, device=self.device)
+            chosen = self._sample(x[index], [params[r] for r in sampled],
                                   [steps[r] for r in sampled])
-            tokens = tokens.index_copy(0, rows, chosen)
+            tokens = tokens.index_copy(0, index, chosen)
         return tokens
 
     def _sample(self, x: Tensor, params: list[SamplingParams], steps: list[int]) -> Tensor:

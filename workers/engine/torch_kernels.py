@@ -328,3 +328,19 @@ def fast_prefill_attention_cuda(
         o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
         out[rows] = o.transpose(1, 2).reshape(n * length, hq, d)
     return out
+
+
+def fast_chunk_attention(q: Tensor, k: Tensor, v: Tensor, p0: int, scale: float) -> Tensor:
+    """SDPA of one chunk's queries (positions p0..p0+n-1) over k/v [Hkv, p0+n, D] of its
+    sequence, causal. q [n, Hq, D] -> [n, Hq, D] (numerics depend on the chunking)."""
+    n, hq, d = q.shape
+    hkv, end = k.shape[0], k.shape[1]
+    g = hq // hkv
+    rows = torch.arange(p0, p0 + n, device=q.device)[:, None]
+    mask = torch.arange(end, device=q.device)[None, :] <= rows                # [n, end]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).reshape(hkv, g, n, d),                              # [Hkv, G, n, D]
+        k[:, None].expand(hkv, g, end, d), v[:, None].expand(hkv, g, end, d),
+        attn_mask=mask, scale=scale,
+    )                                                                         # [Hkv, G, n, D]
+    return out.reshape(hq, n, d).transpose(0, 1)

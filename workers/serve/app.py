@@ -5,9 +5,10 @@ Routes (as vLLM's server): ``POST /v1/completions``, ``POST /v1/chat/completions
 ``GET /ledger/fingerprint`` (``{"fingerprint_id", "runtime"}``, exactly what
 ``ledger fingerprint`` prints for this engine, ready for a capture proxy's config).
 
-Requests go through :class:`EngineBatcher` (a queue feeding ``generate`` in small
-batches). A streamed response is produced after its request finished generating (the
-engine runs static batches), then sent one chunk per token in vLLM's shapes.
+Requests go through :class:`EngineBatcher`: continuous batching, admission by arrival
+(a request joins the running batch at the next engine step and leaves at the step it
+finishes). A streamed response is produced after its request finished generating, then
+sent one chunk per token in vLLM's shapes.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _error(exc: oa.RequestError) -> Response:
 
 
 def create_app(engine: Engine, *, served_model_name: str, tokenizer: ByteTokenizer | None,
-               max_batch: int = 8, batch_wait_s: float = 0.002) -> Starlette:
+               max_batch: int = 8, batch_wait_s: float = 0.002,
+               prefill_chunk: int | None = None) -> Starlette:
     """The ASGI app serving ``engine`` (which it owns from now on)."""
     from ledger.core.fingerprint import FINGERPRINT_PREFIX, fingerprint_id
 
@@ -73,7 +75,8 @@ def create_app(engine: Engine, *, served_model_name: str, tokenizer: ByteTokeniz
     system_fingerprint = "ledger-{}-{}".format(
         runtime.get("engine_version"),
         fp_id.removeprefix(FINGERPRINT_PREFIX)[:8])
-    batcher = EngineBatcher(engine, max_batch=max_batch, batch_wait_s=batch_wait_s)
+    batcher = EngineBatcher(engine, max_batch=max_batch, batch_wait_s=batch_wait_s,
+                            prefill_chunk=prefill_chunk)
 
     async def body_of(request: Request) -> Any:
         raw = await request.body()

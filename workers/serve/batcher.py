@@ -1,12 +1,19 @@
-"""A request queue feeding the engine's ``generate`` in small batches, on one thread.
+"""The request queue in front of the engine, on one thread: continuous batching.
 
-The engine runs static batches (prefill, then decode until every member finishes), so
-there is no continuous batching here: requests that arrive while a batch runs wait for the
-next one. Because the reference engine is batch invariant, which requests share a batch
-never changes anyone's tokens or logprobs; batching only buys throughput.
+For an engine with a continuous batcher (the reference engine's ``batcher()``), requests
+are admitted **by arrival**: between two engine steps the thread takes everything that
+arrived and adds it to the running batch, which admits it as soon as a slot is free
+(``max_batch`` running at most); a request leaves the batch at the step it finishes, and
+its future is resolved then. Prompts are prefilled in chunks of ``prefill_chunk`` tokens
+(None: whole) next to the running decodes, and the engine's prefix cache (if any) serves
+shared prompt prefixes. Because the reference engine is batch invariant in all of these
+respects, neither arrival times nor co-tenants change anyone's tokens, logprobs or
+digests; batching only buys throughput.
 
-A batch that fails validation (``ValueError``: a prompt too long for the context, a bad
-sampling value) is retried one request at a time, so one bad request fails alone.
+An engine without one (the vLLM adapter) gets static batches through ``generate``:
+requests that arrive while a batch runs wait for the next one (``batch_wait_s`` gathers
+co-tenants). A request that fails validation (``ValueError``: a prompt too long for the
+context, a bad sampling value) fails alone.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from workers.engine.api import Engine, GenerationRequest, GenerationResult
 
@@ -33,15 +41,20 @@ class _Item:
 class EngineBatcher:
     """Owns the engine; ``submit`` from any thread, results come back as futures."""
 
-    def __init__(self, engine: Engine, *, max_batch: int = 8, batch_wait_s: float = 0.0) -> None:
+    def __init__(self, engine: Engine, *, max_batch: int = 8, batch_wait_s: float = 0.0,
+                 prefill_chunk: int | None = None) -> None:
         assert max_batch >= 1, "max_batch must be >= 1"
         self.engine = engine
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
-        self.batches = 0
+        self.prefill_chunk = prefill_chunk
+        self.continuous = callable(getattr(engine, "batcher", None))
+        self.batches = 0              # static batches, or engine steps when continuous
         self.requests = 0
+        self.max_running = 0          # most requests that ran in one step (continuous)
         self._queue: queue.Queue[_Item | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="engine-batcher", daemon=True)
+        target = self._run_continuous if self.continuous else self._run
+        self._thread = threading.Thread(target=target, name="engine-batcher", daemon=True)
         self._thread.start()
 
     def submit(self, request: GenerationRequest) -> Future[GenerationResult]:
@@ -54,6 +67,62 @@ class EngineBatcher:
         self._thread.join(timeout)
 
     # ------------------------------------------------------------------ worker thread
+    def _arrivals(self, block: bool) -> tuple[list[_Item], bool]:
+        """Everything queued now (waiting for the first one if ``block``); and whether
+        close() was called."""
+        items: list[_Item] = []
+        stop = False
+        try:
+            item = self._queue.get() if block else self._queue.get_nowait()
+            while True:
+                if item is None:
+                    stop = True
+                else:
+                    items.append(item)
+                item = self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        return items, stop
+
+    def _run_continuous(self) -> None:
+        batcher: Any = self.engine.batcher(  # type: ignore[attr-defined]
+            max_batch=self.max_batch, prefill_chunk=self.prefill_chunk)
+        waiting: dict[int, Future[GenerationResult]] = {}
+        stopping = False
+        try:
+            while True:
+                items, stop = self._arrivals(block=batcher.idle and not stopping)
+                stopping = stopping or stop
+                for item in items:              # admission by arrival
+                    if not item.future.set_running_or_notify_cancel():
+                        continue
+                    try:
+                        waiting[batcher.add(item.request)] = item.future
+                    except ValueError as exc:
+                        item.future.set_exception(exc)
+                if stopping and batcher.idle:
+                    return
+                if batcher.waiting or batcher.running:
+                    try:
+                        batcher.step()
+                    except BaseException as exc:  # engine failure: every waiter learns of it
+                        log.exception("engine failure")
+                        for future in waiting.values():
+                            future.set_exception(exc)
+                        waiting.clear()
+                        batcher.close()
+                        batcher = self.engine.batcher(  # type: ignore[attr-defined]
+                            max_batch=self.max_batch, prefill_chunk=self.prefill_chunk)
+                        continue
+                    self.batches += 1
+                    self.max_running = max(self.max_running, batcher.running)
+                for finished in batcher.take_finished():
+                    if finished.ticket in waiting:
+                        self.requests += 1
+                        waiting.pop(finished.ticket).set_result(finished.result)
+        finally:
+            batcher.close()
+
     def _take_batch(self) -> list[_Item] | None:
         first = self._queue.get()
         if first is None:

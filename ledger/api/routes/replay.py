@@ -57,6 +57,11 @@ def dispute_signer(request: Request) -> Signer:
     return require_signer(request.app.state.service_signer, "a dispute action")
 
 
+def policy_signer(request: Request) -> Signer:
+    """Policy changes are signed registry leaves: refused (503) without the service key."""
+    return require_signer(request.app.state.service_signer, "a re-verification policy change")
+
+
 def commit_and_publish(request: Request, session: Session, jobs: list[tuple[str, str]]) -> None:
     """Commit, then publish these jobs (job ID, fingerprint ID) and only these, with the
     publisher's short broker timeout. One that does not get through stays unpublished in
@@ -177,9 +182,10 @@ def list_fingerprints(_: Principal = Depends(require("workers:read")),
              responses={200: {"description": "The same policy exists (no change)"}})
 def create_policy(body: PolicyIn, response: Response,
                   principal: Principal = Depends(require("policies:write")),
-                  session: Session = Depends(get_session)) -> PolicyOut:
+                  session: Session = Depends(get_session),
+                  signer: Signer = Depends(policy_signer)) -> PolicyOut:
     policy, outcome = policy_service.create_policy(
-        session, principal, body.model_dump(exclude={"first_window_start"}),
+        session, principal, signer, body.model_dump(exclude={"first_window_start"}),
         body.first_window_start)
     session.commit()
     if outcome is policy_service.CreateOutcome.EXISTING:
@@ -201,8 +207,9 @@ def list_policies(limit: Limit = 100, cursor: Cursor = None,
               summary="Pause or resume a policy (admin; recorded as an admin action)")
 def patch_policy(policy_id: IdPath, body: PolicyPatch,
                  principal: Principal = Depends(require("policies:write")),
-                 session: Session = Depends(get_session)) -> PolicyOut:
-    policy = policy_service.set_enabled(session, principal, policy_id, body.enabled)
+                 session: Session = Depends(get_session),
+                 signer: Signer = Depends(policy_signer)) -> PolicyOut:
+    policy = policy_service.set_enabled(session, principal, signer, policy_id, body.enabled)
     session.commit()
     return PolicyOut.model_validate(queries.policy_summary(policy))
 
@@ -211,8 +218,9 @@ def patch_policy(policy_id: IdPath, body: PolicyPatch,
                tags=["re-verification"], response_class=Response,
                summary="Delete a policy; its runs and reports stay (admin; recorded)")
 def delete_policy(policy_id: IdPath, principal: Principal = Depends(require("policies:write")),
-                  session: Session = Depends(get_session)) -> Response:
-    policy_service.delete(session, principal, policy_id)
+                  session: Session = Depends(get_session),
+                  signer: Signer = Depends(policy_signer)) -> Response:
+    policy_service.delete(session, principal, signer, policy_id)
     session.commit()
     return Response(status_code=204)
 

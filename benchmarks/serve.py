@@ -1,0 +1,306 @@
+"""Serving benchmark: Poisson arrivals, shared-prefix prompts, continuous batching.
+
+    # CPU (tiny-demo; small rates, short prompts):
+    .venv/bin/python benchmarks/serve.py --device cpu
+    # H200 (Llama-3-8B shapes, bf16, random weights; 512-token prompts, 256 new tokens):
+    PYTHONUNBUFFERED=1 python3 benchmarks/serve.py --device cuda --rates 2,4,8,16 \
+        --requests 128 [--vllm-model /root/ckpt/llama3-8b-shape --vllm default,flag]
+
+Workload: ``--requests`` requests arrive as a Poisson process at each rate (requests/s,
+``--seed`` fixes the arrival times and prompts). Prompts of ``--prompt`` tokens: the first
+``--shared`` tokens come from one of ``--prefixes`` shared prefixes (a system prompt), the
+rest are random; ``--new`` new tokens each, greedy, ``ignore_eos``.
+
+Targets, each at every rate:
+
+* ``reference-bi`` (and ``reference-default``, the same-run baseline; ``--modes``): our
+  engine in batch-invariant mode (and its fast mode), in process, as ``ledger engine serve``
+  runs it (``ContinuousBatcher``: admission by arrival at the next step, ``--max-batch``
+  running, prompts prefilled in ``--chunk``-token chunks next to the decodes, a prefix cache
+  of ``--prefix-pages`` 16-token pages). One thread adds the requests whose arrival time has
+  passed between steps, as the server's batcher thread does; no HTTP.
+* ``vllm-default`` / ``vllm-flag`` (``--vllm-model``): ``vllm serve`` started here (vLLM as
+  shipped; with ``VLLM_BATCH_INVARIANT=1`` and the adapter's numerics flags, scheduler left
+  at vLLM's defaults so it batches: the deterministic channel itself admits one sequence at
+  a time, see docs/engine.md), measured over HTTP with streamed token-ID completions.
+* ``http`` (``--url``): any OpenAI-compatible server already running, the same way.
+
+Per target and rate: completed requests, new tokens/s (all new tokens / time from the first
+arrival to the last completion), TTFT p50/p95 (arrival -> first token), inter-token
+latency p95 (gaps between a request's consecutive tokens), prefix-cache hit share.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
+sys.path.insert(0, str(ROOT))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Timing:
+    arrival: float
+    tokens: list[float] = field(default_factory=list)    # time of each token
+
+
+def workload(args: argparse.Namespace, vocab: int, rate: float
+             ) -> list[tuple[float, tuple[int, ...]]]:
+    """(arrival offset s, prompt) per request."""
+    rng = random.Random(args.seed)
+    prefixes = [tuple(rng.randrange(vocab) for _ in range(args.shared))
+                for _ in range(args.prefixes)]
+    t, out = 0.0, []
+    for _ in range(args.requests):
+        t += rng.expovariate(rate)
+        prompt = rng.choice(prefixes) + tuple(rng.randrange(vocab)
+                                              for _ in range(args.prompt - args.shared))
+        out.append((t, prompt))
+    return out
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(1, -(-len(ordered) * q // 100)) - 1]
+
+
+def summarize(target: str, rate: float, timings: list[Timing], extra: dict[str, Any]
+              ) -> dict[str, Any]:
+    done = [t for t in timings if t.tokens]
+    first = min(t.arrival for t in timings)
+    last = max(t.tokens[-1] for t in done) if done else first
+    new = sum(len(t.tokens) for t in done)
+    ttft = [t.tokens[0] - t.arrival for t in done]
+    itl = [b - a for t in done for a, b in zip(t.tokens, t.tokens[1:], strict=False)]
+    return {"target": target, "rate": rate, "requests": len(timings), "completed": len(done),
+            "new_tokens": new, "new_tok_s": new / (last - first) if last > first else None,
+            "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95),
+            "itl_p95_s": pct(itl, 95), **extra}
+
+
+# ---------------------------------------------------------------------- our engine
+def make_engine(args: argparse.Namespace) -> Any:
+    import torch
+
+    from workers.engine import ReferenceEngine, load_engine
+    from workers.engine.config import LLAMA3_8B_CONFIG
+    from workers.engine.prefix_cache import PrefixCache
+
+    if args.device == "cuda":
+        engine = ReferenceEngine.random(LLAMA3_8B_CONFIG, device="cuda", dtype="bfloat16")
+    else:
+        torch.set_num_threads(1)
+        engine = load_engine("tiny-demo")
+    engine.prefix_cache = PrefixCache(pages=args.prefix_pages) if args.prefix_pages else None
+    return engine
+
+
+def run_reference(engine: Any, args: argparse.Namespace, rate: float) -> dict[str, Any]:
+    from workers.engine.api import GenerationRequest, SamplingParams
+
+    target = "reference-bi" if engine.batch_invariant else "reference-default"
+    sampling = SamplingParams(max_tokens=args.new, ignore_eos=True)
+    plan = workload(args, engine.config.vocab_size, rate)
+    engine.stats.prefix_hit_tokens = engine.stats.prompt_tokens = 0
+    if engine.prefix_cache is not None:
+        engine.prefix_cache.clear()
+    timings: dict[int, Timing] = {}
+    with engine.batcher(max_batch=args.max_batch, prefill_chunk=args.chunk) as batcher:
+        start = time.perf_counter()
+        pending = list(enumerate(plan))
+        while pending or not batcher.idle:
+            now = time.perf_counter() - start
+            while pending and pending[0][1][0] <= now:
+                i, (offset, prompt) = pending.pop(0)
+                ticket = batcher.add(GenerationRequest(f"q{i}", prompt, sampling))
+                timings[ticket] = Timing(arrival=start + offset)
+            if batcher.waiting or batcher.running:
+                batcher.step()
+            elif pending:
+                time.sleep(min(0.005, max(0.0, pending[0][1][0] - now)))
+            for f in batcher.take_finished():
+                timings[f.ticket].tokens = list(f.token_times)
+    hits = engine.stats.prefix_hit_tokens / max(1, engine.stats.prompt_tokens)
+    return summarize(target, rate, list(timings.values()),
+                     {"prefix_hit_share": round(hits, 3)})
+
+
+# ---------------------------------------------------------------------- over HTTP
+def run_http(url: str, model: str, vocab: int, args: argparse.Namespace, rate: float,
+             target: str) -> dict[str, Any]:
+    import httpx
+
+    plan = workload(args, vocab, rate)
+    timings = [Timing(arrival=0.0) for _ in plan]
+    start = time.perf_counter() + 0.2
+
+    def one(i: int, offset: float, prompt: tuple[int, ...]) -> None:
+        time.sleep(max(0.0, start + offset - time.perf_counter()))
+        timings[i].arrival = time.perf_counter()
+        body = {"model": model, "prompt": list(prompt), "max_tokens": args.new,
+                "temperature": 0.0, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=600) as client, client.stream(
+                "POST", f"{url}/v1/completions", json=body) as resp:
+            resp.raise_for_status()
+            for line in resp.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    timings[i].tokens.append(time.perf_counter())
+
+    threads = [threading.Thread(target=one, args=(i, off, p)) for i, (off, p) in
+               enumerate(plan)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return summarize(target, rate, timings, {})
+
+
+def start_vllm(model: str, variant: str, port: int, args: argparse.Namespace
+               ) -> subprocess.Popen[bytes]:
+    from workers.engine.vllm_adapter import VLLM_ENV
+
+    env = os.environ.copy()
+    cmd = ["vllm", "serve", model, "--port", str(port), "--dtype", "bfloat16",
+           "--max-model-len", str(args.prompt + args.new + 16), "--seed", "0",
+           "--max-num-seqs", str(args.max_batch), "--skip-tokenizer-init",
+           "--generation-config", "vllm"]
+    if variant == "flag":
+        env |= VLLM_ENV
+    log(f"starting {' '.join(cmd)} ({variant})")
+    proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
+    import httpx
+
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    proc.terminate()
+    raise RuntimeError("vllm serve did not become healthy in 900 s")
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("target", "rate/s", "done", "new tok/s", "TTFT p50 s", "TTFT p95 s",
+            "ITL p95 ms", "prefix hits")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        def f(v: Any, scale: float = 1.0, fmt: str = ".3f") -> str:
+            return "-" if v is None else format(v * scale, fmt)
+        lines.append("| " + " | ".join([
+            r["target"], f"{r['rate']:g}", f"{r['completed']}/{r['requests']}",
+            f(r["new_tok_s"], fmt=".0f"), f(r["ttft_p50_s"]), f(r["ttft_p95_s"]),
+            f(r["itl_p95_s"], 1000, ".1f"), str(r.get("prefix_hit_share", "-"))]) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--rates", default=None, help="requests/s, comma separated")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--prompt", type=int, default=None)
+    parser.add_argument("--shared", type=int, default=None)
+    parser.add_argument("--prefixes", type=int, default=4)
+    parser.add_argument("--new", type=int, default=None)
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--chunk", type=int, default=None, help="prefill chunk (tokens)")
+    parser.add_argument("--prefix-pages", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--modes", default="bi,default",
+                        help="reference engine modes: bi (batch invariant), default; "
+                             "'none' to measure only --url / --vllm-model")
+    parser.add_argument("--url", default=None, help="also measure this running server")
+    parser.add_argument("--url-model", default="tiny-demo")
+    parser.add_argument("--vllm-model", default=None)
+    parser.add_argument("--vllm", default="default,flag")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    gpu = args.device == "cuda"
+    args.rates = args.rates or ("2,4,8,16" if gpu else "4,16")
+    args.requests = args.requests or (128 if gpu else 24)
+    args.prompt = args.prompt or (512 if gpu else 64)
+    args.shared = args.shared if args.shared is not None else (384 if gpu else 48)
+    args.new = args.new or (256 if gpu else 16)
+    args.chunk = args.chunk or (512 if gpu else 32)
+    args.prefix_pages = args.prefix_pages if args.prefix_pages is not None else \
+        (4096 if gpu else 256)
+    rates = [float(r) for r in args.rates.split(",")]
+
+    rows = []
+    modes = [m for m in args.modes.split(",") if m in ("bi", "default")]
+    if gpu:
+        from workers.engine.config import LLAMA3_8B_CONFIG
+
+        vocab = int(LLAMA3_8B_CONFIG["vocab_size"])
+    else:
+        vocab = 260                                   # tiny-demo
+    if modes:
+        engine = make_engine(args)
+        vocab = engine.config.vocab_size
+        log(f"reference engine on {args.device}: warm-up")
+        run_reference(engine, argparse.Namespace(**{**vars(args), "requests": 4}), 100.0)
+        for mode in modes:
+            engine.batch_invariant = mode == "bi"
+            for rate in rates:
+                rows.append(run_reference(engine, args, rate))
+                log(json.dumps(rows[-1]))
+        del engine
+        if gpu:
+            import torch
+
+            torch.cuda.empty_cache()
+    if args.url:
+        for rate in rates:
+            rows.append(run_http(args.url, args.url_model, vocab, args, rate, "http"))
+            log(json.dumps(rows[-1]))
+    if args.vllm_model:
+        for variant in args.vllm.split(","):
+            proc = start_vllm(args.vllm_model, variant, 8200, args)
+            try:
+                for rate in rates:
+                    rows.append(run_http("http://127.0.0.1:8200", args.vllm_model, vocab,
+                                         args, rate, f"vllm-{variant}"))
+                    log(json.dumps(rows[-1]))
+            finally:
+                proc.terminate()
+                proc.wait(60)
+    text = table(rows)
+    header = (f"{platform.node()} {args.device}: {args.requests} requests x ({args.prompt} "
+              f"prompt tokens, {args.shared} shared from {args.prefixes} prefixes, + "
+              f"{args.new} new), max_batch {args.max_batch}, chunk {args.chunk}, prefix "
+              f"pages {args.prefix_pages}")
+    print(header + "\n\n" + text, flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "serve.json").write_text(json.dumps(rows, indent=1))
+        (args.out / "serve.txt").write_text(header + "\n\n" + text + "\n")
+
+
+if __name__ == "__main__":
+    main()

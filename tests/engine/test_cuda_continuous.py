@@ -1,0 +1,99 @@
+"""Continuous batching, chunked prefill and the prefix cache on CUDA, at Llama-3-8B shapes.
+
+The CPU matrix of ``tests/engine/test_continuous.py`` (probe alone / joining a running
+batch at step 0, 1, 7 x prefill chunk 1, 16, 61, whole x prefix cache cold, warm) on a
+model with Llama-3-8B's shapes in bf16 (random weights drawn on the GPU), with a
+300-token probe prompt (two decode-kernel KV splits). Decode steps run as CUDA graphs;
+prompt chunks run eagerly through the Triton decode-attention kernel over the slot's cache.
+The negative control (cuBLAS, SDPA) must differ somewhere.
+
+On the device: ``python3 -m pytest tests/engine/test_cuda_continuous.py --noconftest -m gpu``
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import product
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests.engine.test_continuous import (  # noqa: E402
+    CHUNKS,
+    JOINS,
+    WARM,
+    run_probe,
+    scenario,
+)
+from workers.engine import ReferenceEngine  # noqa: E402
+from workers.engine.config import LLAMA3_8B_CONFIG  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+PROMPT_LEN = 300
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[ReferenceEngine]:
+    engine = ReferenceEngine.random(LLAMA3_8B_CONFIG, device="cuda", dtype="bfloat16", seed=0)
+    yield engine
+    del engine
+    torch.cuda.empty_cache()
+
+
+def cuda_matrix(engine: ReferenceEngine) -> tuple[list[str], int]:
+    probe, cotenants, warmer = scenario(engine.config.vocab_size, prompt_len=PROMPT_LEN)
+    plain, _ = run_probe(engine, probe, cotenants, warmer, join=None, chunk=None, warm=None)
+    differing, compared = [], 0
+    for join, chunk, warm in product(JOINS, CHUNKS, WARM):
+        got, hits = run_probe(engine, probe, cotenants, warmer, join=join, chunk=chunk,
+                              warm=warm)
+        if warm:
+            assert hits >= 64, f"warm prefix cache served only {hits} tokens"
+        compared += 1
+        if got != plain:
+            differing.append(f"join={join} chunk={chunk} warm={warm}")
+    return differing, compared
+
+
+def test_gpu_invariant_under_joins_chunks_and_prefix_cache(engine: ReferenceEngine) -> None:
+    engine.batch_invariant = True
+    differing, compared = cuda_matrix(engine)
+    assert compared == len(JOINS) * len(CHUNKS) * len(WARM)
+    assert not differing, f"{len(differing)}/{compared} combinations changed the probe: " \
+                          f"{differing}"
+    decoder: Any = engine._decoder
+    assert decoder is not None and any(bi for bi, _ in decoder.captured), \
+        "decode steps did not run as CUDA graphs"
+
+
+def test_gpu_cuda_graphs_off_gives_the_same_bits(engine: ReferenceEngine) -> None:
+    engine.batch_invariant = True
+    probe, cotenants, warmer = scenario(engine.config.vocab_size, prompt_len=PROMPT_LEN)
+    graphs, _ = run_probe(engine, probe, cotenants, warmer, join=1, chunk=61, warm=True)
+    engine.cuda_graphs = False
+    engine._decoder = None
+    engine._cache = None
+    try:
+        eager, _ = run_probe(engine, probe, cotenants, warmer, join=1, chunk=61, warm=True)
+    finally:
+        engine.cuda_graphs = True
+        engine._decoder = None
+        engine._cache = None
+    assert eager == graphs
+
+
+def test_gpu_negative_control_default_kernels_differ(engine: ReferenceEngine) -> None:
+    engine.batch_invariant = False
+    try:
+        differing, compared = cuda_matrix(engine)
+    finally:
+        engine.batch_invariant = True
+    print(f"negative control: {len(differing)}/{compared} differ: {differing}")
+    assert differing, f"batch invariance off, yet none of {compared} combinations changed " \
+                      f"the probe: the test is blind"

@@ -1,0 +1,428 @@
+"""Continuous batching for the reference engine: requests join and leave at every step.
+
+One :meth:`ContinuousBatcher.step` does, in order:
+
+1. **admit** waiting requests (arrival order) into free cache slots, up to ``max_batch``
+   running; a prefix-cache hit (``prefix_cache``) copies the cached KV of the prompt's
+   leading full blocks into the slot, so only the rest is prefilled;
+2. **prefill** the next chunk (``prefill_chunk`` tokens, or the whole rest) of every
+   request still in its prompt, packed into forwards of at most ``prefill_token_budget``
+   tokens; a request whose prompt is now complete gets its first logits from it;
+3. **decode** one token for every request that has one to feed (slots 0..B-1 as one
+   batch; on CUDA a CUDA graph over a power-of-two bucket); rows of requests still in
+   their prompt ride along as dummies (token 0 at a spare cache position) and are dropped;
+4. **sample** every request that got logits this step, record logprobs, top logprobs and
+   the logits digest (hashed off the critical path), and retire finished requests (the
+   last live slots move into the holes, so slots 0..B-1 stay the running requests).
+
+In batch-invariant mode a request's tokens, logprobs and logits digests do not depend on
+any of this: every kernel is row-wise, and prompt attention reads the slot's cache with the
+decode kernel (``ops.chunk_attention``), so neither the co-tenants, nor the step at which
+the request joined, nor the chunk size, nor a prefix-cache hit changes a bit
+(``tests/engine/test_continuous.py``). The default mode gives no such promise.
+
+``static=True`` admits a new group only when the batch is empty: ``ReferenceEngine.generate``
+uses it to keep "``max_batch`` requests at a time, in file order" (the caller controls the
+co-tenants, which matters for the default mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from workers.engine import ops
+from workers.engine.api import GenerationRequest, GenerationResult
+from workers.engine.digests import CpuDigester, CudaDigester, hashing_threads
+from workers.engine.model import prefill
+from workers.engine.sampling import BatchSampler
+
+if TYPE_CHECKING:
+    from workers.engine.reference import ReferenceEngine
+
+__all__ = ["ContinuousBatcher", "Finished"]
+
+
+class _StepDigests:
+    """The digests of one sampling step's rows (futures of row chunks, in row order)."""
+
+    def __init__(self, futures: list[Future[list[str]]]) -> None:
+        self.futures = futures
+        self._rows: list[str] | None = None
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def row(self, i: int) -> str:
+        if self._rows is None:
+            self._rows = [d for f in self.futures for d in f.result()]
+        return self._rows[i]
+
+
+@dataclass
+class _Sequence:
+    ticket: int
+    request: GenerationRequest
+    budget: int
+    result: GenerationResult
+    arrived_step: int
+    prefilled: int = 0                     # prompt tokens in the cache
+    next_token: int | None = None          # to feed at the next decode step
+    digests: list[tuple[_StepDigests, int]] = field(default_factory=list)
+    first_token_s: float | None = None     # perf_counter when the first token was known
+    token_times: list[float] = field(default_factory=list)   # perf_counter per token
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt_token_ids
+
+    @property
+    def position(self) -> int:
+        """Cache position of ``next_token``."""
+        return len(self.prompt) + len(self.result.token_ids) - 1
+
+
+@dataclass(frozen=True)
+class Finished:
+    ticket: int
+    result: GenerationResult
+    first_token_s: float | None            # perf_counter of the first token (TTFT)
+    token_times: tuple[float, ...] = ()    # perf_counter when each token was known
+
+
+class ContinuousBatcher:
+    """A running batch on one engine. ``add`` requests, call ``step`` until ``idle``.
+
+    Not thread safe: one thread adds and steps (``workers.serve.batcher`` does that).
+    """
+
+    def __init__(
+        self, engine: ReferenceEngine, *, max_batch: int, prefill_chunk: int | None = None,
+        static: bool = False,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be >= 1")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError("prefill_chunk must be >= 1 (or None: whole prompts)")
+        self.engine = engine
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.static = static
+        self.steps = 0
+        self._tickets = 0
+        self._waiting: deque[_Sequence] = deque()
+        self._active: list[_Sequence] = []          # _active[s] lives in cache slot s
+        self._retiring: list[_Sequence] = []        # finished, digests still hashing
+        self._done: list[Finished] = []
+        # A decode step already run for the next step: (logits [B, V], decoding slots).
+        self._launched: tuple[Tensor, list[int]] | None = None
+        self._sampler = BatchSampler([], [], engine.config.vocab_size, engine.device)
+        self._exit = contextlib.ExitStack()
+        threads = hashing_threads(engine.device)
+        pool = self._exit.enter_context(
+            ThreadPoolExecutor(max_workers=threads, thread_name_prefix="logits-sha256"))
+        self._digester: CpuDigester | CudaDigester
+        if engine.device.type == "cuda":
+            self._digester = CudaDigester(engine._digest_ring_for_device(), pool, threads)
+        else:
+            self._digester = CpuDigester(pool)
+
+    # ------------------------------------------------------------------ public
+    def add(self, request: GenerationRequest) -> int:
+        """Queue a request (validated now: ``ValueError``); returns its ticket."""
+        budget = self.engine._budget(request)
+        ticket = self._tickets
+        self._tickets += 1
+        seq = _Sequence(ticket, request, budget, GenerationResult(
+            id=request.id, token_ids=[], finish_reason="length", logprobs=[],
+            top_logprobs=[] if request.sampling.logprobs else None, logits_sha256=[]),
+            arrived_step=self.steps)
+        if budget == 0:
+            self._done.append(Finished(ticket, seq.result, None))
+        else:
+            self._waiting.append(seq)
+        return ticket
+
+    @property
+    def idle(self) -> bool:
+        return not (self._waiting or self._active or self._retiring)
+
+    @property
+    def running(self) -> int:
+        return len(self._active)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def take_finished(self) -> list[Finished]:
+        """Results finished since the last call (digests complete)."""
+        self._deliver(block=not (self._waiting or self._active))
+        done, self._done = self._done, []
+        return done
+
+    def step(self) -> None:
+        """One engine step (admit, prefill chunks, one decode token; see the module doc)."""
+        engine = self.engine
+        with torch.inference_mode(), ops.batch_invariant_mode(engine.batch_invariant):
+            self._admit()
+            if self._active:
+                self._step()
+        self.steps += 1
+
+    def run(self) -> list[Finished]:
+        """Step until every added request finished; all results, in ticket order."""
+        finished: list[Finished] = []
+        while not self.idle:
+            if self._waiting or self._active:
+                self.step()
+            finished += self.take_finished()
+        finished += self.take_finished()
+        return sorted(finished, key=lambda f: f.ticket)
+
+    def close(self) -> None:
+        self._deliver(block=True)
+        self._exit.close()
+
+    def __enter__(self) -> ContinuousBatcher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the step
+    def _admit(self) -> None:
+        if self.static and self._active:
+            return
+        engine = self.engine
+        mode = engine.prefix_mode()
+        room = self.max_batch - len(self._active)
+        if not self._waiting or room <= 0:
+            return
+        group = list(self._waiting)[:room]
+        if self._launched is not None:     # the cache (and its graphs' buffers) may be
+            logits, decoding = self._launched                 # replaced below: own a copy
+            self._launched = (logits.clone(), decoding)
+        # Slots for the whole batch at once (static: this group), so the cache (and on
+        # CUDA its graph set) is not regrown one slot at a time.
+        engine._ensure_cache(len(group) if self.static else self.max_batch,
+                             max(len(s.prompt) + s.budget for s in group))
+        for _ in group:
+            seq = self._waiting.popleft()
+            slot = len(self._active)
+            cache = engine._ensure_cache(slot + 1, len(seq.prompt) + seq.budget)
+            # A new occupant may find a former one's k/v past its own positions: harmless,
+            # attention reads only positions < its own length, each written before read.
+            if engine.prefix_cache is not None:
+                pages = engine.prefix_cache.lookup(seq.prompt, mode)
+                engine.prefix_cache.load(cache, slot, pages)
+                seq.prefilled = len(pages) * engine.prefix_cache.block_size
+                engine.stats.prefix_hit_tokens += seq.prefilled
+            self._active.append(seq)
+            self._sampler.add(seq.request.sampling, seq.prompt)
+            engine.stats.prompt_tokens += len(seq.prompt)
+
+    def _prefill(self) -> list[tuple[int, Tensor]]:
+        """Run this step's prompt chunks; (slot, fp32 logits [V]) of completed prompts."""
+        engine = self.engine
+        cache = engine._cache
+        assert cache is not None
+        budget = engine.prefill_token_budget
+        pieces: list[tuple[int, int, int]] = []            # (slot, first position, length)
+        for slot, seq in enumerate(self._active):
+            left = len(seq.prompt) - seq.prefilled
+            if left <= 0:
+                continue
+            n = left if self.prefill_chunk is None else min(left, self.prefill_chunk)
+            for start in range(seq.prefilled, seq.prefilled + n, budget):
+                pieces.append((slot, start, min(budget, seq.prefilled + n - start)))
+        if not pieces:
+            return []
+        began = time.perf_counter()
+        groups: list[list[tuple[int, int, int]]] = [[]]
+        used = 0
+        for piece in pieces:
+            if groups[-1] and used + piece[2] > budget:
+                groups.append([])
+                used = 0
+            groups[-1].append(piece)
+            used += piece[2]
+        dev = engine.device
+        ready: list[tuple[int, Tensor]] = []
+        for group in groups:
+            tokens = torch.tensor([t for slot, p0, n in group
+                                   for t in self._active[slot].prompt[p0:p0 + n]], device=dev)
+            positions = torch.cat([torch.arange(p0, p0 + n, device=dev) for _, p0, n in group])
+            slots = torch.repeat_interleave(
+                torch.tensor([s for s, _, _ in group], device=dev),
+                torch.tensor([n for _, _, n in group], device=dev))
+            cu = torch.tensor([0, *(n for _, _, n in group)], device=dev).cumsum(0) \
+                .to(torch.int32)
+            logits = prefill(engine.model, cache, tokens, positions, slots, cu)   # [C, V]
+            for row, (slot, p0, n) in enumerate(group):
+                seq = self._active[slot]
+                seq.prefilled = p0 + n
+                engine.stats.prefill_tokens += n
+                if seq.prefilled == len(seq.prompt):
+                    ready.append((slot, logits[row]))
+                    if engine.prefix_cache is not None:
+                        engine.prefix_cache.store(cache, slot, seq.prompt,
+                                                  engine.prefix_mode())
+        engine._synchronize()
+        engine.stats.prefill_s += time.perf_counter() - began
+        return ready
+
+    def _step(self) -> None:
+        engine = self.engine
+        stats = engine.stats
+        began = time.perf_counter()
+        ready = self._prefill()
+        decode_began = time.perf_counter()
+        dev = engine.device
+        cache = engine._cache
+        assert cache is not None
+        if self._launched is None:
+            self._launch_decode()
+        launched, self._launched = self._launched, None
+        rows: list[int] = []
+        parts: list[Tensor] = []
+        if launched is not None:
+            logits, decoding = launched
+            rows += decoding
+            parts.append(logits[torch.tensor(decoding, device=dev)] if len(decoding)
+                         < logits.shape[0] else logits)
+        if ready:
+            rows += [slot for slot, _ in ready]
+            parts.append(torch.stack([row for _, row in ready]))
+        if not rows:
+            return
+        logits = parts[0] if len(parts) == 1 else torch.cat(parts)            # [R, V]
+        steps = [len(self._active[s].result.token_ids) for s in rows]
+        chosen = self._sampler.choose(logits, steps, rows)                    # [R]
+        logprobs = ops.log_softmax(logits)                                    # fp32 [R, V]
+        chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0]
+        digests = _StepDigests(self._digester.submit(logits))
+        top = self._top_logprobs(rows, logprobs)
+        self._sampler.record(chosen, rows)
+        host = torch.stack([chosen, chosen_lp.view(torch.int32).to(torch.int64)]).cpu()
+        token_ids = host[0].tolist()
+        token_lps = host[1].to(torch.int32).view(torch.float32).tolist()
+        now = time.perf_counter()
+
+        eos = set(engine.config.eos_token_ids)
+        finished: list[int] = []
+        for r, (slot, token, lp) in enumerate(zip(rows, token_ids, token_lps, strict=True)):
+            seq = self._active[slot]
+            result, params = seq.result, seq.request.sampling
+            result.token_ids.append(token)
+            result.logprobs.append(lp)
+            if result.top_logprobs is not None:
+                result.top_logprobs.append(top[r])
+            seq.digests.append((digests, r))
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            seq.token_times.append(now)
+            stats.generated_tokens += 1
+            if token in params.stop_token_ids or (not params.ignore_eos and token in eos):
+                result.finish_reason = "stop"
+                finished.append(slot)
+            elif len(result.token_ids) >= seq.budget:
+                result.finish_reason = "length"
+                finished.append(slot)
+            else:
+                seq.next_token = token
+        if finished:
+            self._retire(finished)
+        # The next step's decode goes to the device now, so the host work until then (the
+        # next step's admission and prefill bookkeeping, this step's digests) overlaps it.
+        self._launch_decode()
+        stats.decode_s += time.perf_counter() - decode_began
+        del began
+
+    def _launch_decode(self) -> None:
+        """Run (on CUDA: enqueue) one decode step for every request with a token to feed;
+        kept in ``_launched`` for the step that samples it. Slots 0..B-1 as one batch; rows
+        still in their prompt are dummies (token 0 at a spare position), dropped later."""
+        decoding = [s for s, seq in enumerate(self._active) if seq.next_token is not None]
+        if not decoding:
+            self._launched = None
+            return
+        engine = self.engine
+        cache = engine._cache
+        assert cache is not None
+        dev = engine.device
+        spare = cache.max_seq - 1                            # never a live position
+        feed = [(seq.next_token, seq.position) if seq.next_token is not None
+                else (0, spare) for seq in self._active]
+        tokens = torch.tensor([t for t, _ in feed], device=dev)
+        positions = torch.tensor([p for _, p in feed], device=dev)
+        self._launched = (engine._decode(cache, tokens, positions), decoding)   # [B, V]
+        engine.stats.decode_steps += 1
+
+    def _top_logprobs(self, rows: list[int], logprobs: Tensor) -> list[list[tuple[int, float]]]:
+        from workers.engine.reference import top_logprobs
+
+        wanted = [(r, int(self._active[s].request.sampling.logprobs or 0))
+                  for r, s in enumerate(rows) if self._active[s].request.sampling.logprobs]
+        out: list[list[tuple[int, float]]] = [[] for _ in rows]
+        if not wanted:
+            return out
+        k_max = min(max(k for _, k in wanted), logprobs.shape[-1])
+        ids, values = top_logprobs(
+            logprobs[torch.tensor([r for r, _ in wanted], device=logprobs.device)], k_max)
+        for (r, k), row_ids, row_values in zip(wanted, ids.tolist(), values.tolist(),
+                                              strict=True):
+            out[r] = list(zip(row_ids[:k], row_values[:k], strict=True))
+        return out
+
+    def _retire(self, finished: list[int]) -> None:
+        """Remove finished slots; the last live slots move into the holes."""
+        cache = self.engine._cache
+        assert cache is not None
+        gone = set(finished)
+        keep = [s for s in range(len(self._active)) if s not in gone]
+        n = len(keep)
+        holes = [s for s in range(n) if s in gone]
+        movers = [s for s in keep if s >= n]
+        order = dict(zip(holes, movers, strict=True))
+        for dst, src in order.items():
+            cache.move_slot(src, dst)
+        rows = [order.get(s, s) for s in range(n)]
+        self._retiring += [self._active[s] for s in finished]
+        self._active = [self._active[r] for r in rows]
+        self._sampler.compact(rows)
+        self._deliver(block=False)
+
+    def _deliver(self, *, block: bool) -> None:
+        """Move retired sequences whose digests are all hashed to the finished list."""
+        waited = time.perf_counter()
+        still: list[_Sequence] = []
+        for seq in self._retiring:
+            if block or all(d.done() for d, _ in seq.digests):
+                seq.result.logits_sha256 = [d.row(i) for d, i in seq.digests]
+                self._done.append(Finished(seq.ticket, seq.result, seq.first_token_s,
+                                           tuple(seq.token_times)))
+            else:
+                still.append(seq)
+        self._retiring = still
+        if block:
+            self.engine.stats.digest_wait_s += time.perf_counter() - waited
+
+
+def run_requests(engine: ReferenceEngine, requests: Sequence[GenerationRequest], *,
+                 max_batch: int, prefill_chunk: int | None = None,
+                 static: bool = False) -> list[GenerationResult]:
+    """All requests through one batcher; results in request order."""
+    with ContinuousBatcher(engine, max_batch=max_batch, prefill_chunk=prefill_chunk,
+                           static=static) as batcher:
+        for request in requests:
+            batcher.add(request)
+        return [f.result for f in batcher.run()]
