@@ -22,6 +22,16 @@ class Conflict(LedgerError):
         self.extra = extra
 
 
+class Gone(LedgerError):
+    """The record exists but its content was erased (``extra`` carries the tombstone)."""
+
+    code = "erased"
+
+    def __init__(self, message: str, *, code: str | None = None, **extra: Any) -> None:
+        super().__init__(message, code=code)
+        self.extra = extra
+
+
 class Unauthorized(LedgerError):
     code = "unauthorized"
 

@@ -11,7 +11,15 @@ from ledger.core.errors import (
     ValidationFailed,
     VerificationError,
 )
-from ledger.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized, Unavailable
+from ledger.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    Gone,
+    NotFound,
+    Unauthorized,
+    Unavailable,
+)
 
 PROBLEM_TYPE_PREFIX = "urn:inference-ledger:problem:"
 # The charset is stated so that clients which guess encodings for non-`application/json`
@@ -23,6 +31,7 @@ _STATUS_BY_CLASS: tuple[tuple[type[LedgerError], int], ...] = (
     (NotFound, 404),
     (TileNotFoundError, 404),
     (Conflict, 409),
+    (Gone, 410),
     (Unauthorized, 401),
     (Forbidden, 403),
     (BadRequest, 400),
@@ -38,6 +47,7 @@ TITLES = {
     403: "Forbidden",
     404: "Not found",
     409: "Conflict",
+    410: "Gone",
     413: "Payload too large",
     422: "Unprocessable content",
     424: "Failed dependency",
@@ -71,6 +81,6 @@ def problem_for(exc: LedgerError) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if isinstance(exc, ValidationFailed) and exc.errors:
         extra["errors"] = exc.errors
-    if isinstance(exc, Conflict):
+    if isinstance(exc, (Conflict, Gone)):
         extra.update(exc.extra)
     return problem(status_for(exc), exc.code, exc.message, **extra)

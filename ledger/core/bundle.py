@@ -46,9 +46,11 @@ import orjson
 
 from ledger.core import dsse, jsonstrict
 from ledger.core.envelope import STATEMENT_TYPE
+from ledger.core.erasure import Tombstone, erasure_predicate, erasure_record
 from ledger.core.errors import LedgerError, VerificationError
 from ledger.core.keys import key_id
-from ledger.core.logentry import verify_record_included
+from ledger.core.logentry import log_entry_bytes, verify_record_included
+from ledger.core.merkle import leaf_hash, verify_inclusion
 from ledger.core.note import Checkpoint, NoteVerifier, open_checkpoint, parse_verifier_key
 from ledger.core.registry import RegisteredKey, Registry, RegistryError, open_admin_event
 from ledger.core.statements import BUNDLE_PREDICATE_TYPE
@@ -59,10 +61,18 @@ FORMAT = "inference-ledger-bundle/v2"
 #: caused them: the ledger (reviewer actions, routing) or a worker (replaying, verdict).
 #: Admin events are checked against the service keys (the policy's, or the manifest's).
 PURPOSES_BY_KIND = {"envelope": {"producer"}, "verdict": {"worker"},
-                    "dispute_event": {"ledger", "worker"}, "admin_event": {"ledger"}}
+                    "dispute_event": {"ledger", "worker"}, "admin_event": {"ledger"},
+                    "erasure": {"ledger"}}
+#: Kinds verified in order before every other record, in this process: the key registry
+#: (admin events) and the erasure leaves, whose tombstones the erased envelopes need.
+FIRST_KINDS = frozenset({"admin_event", "erasure"})
 PREDICATE_FIELDS = frozenset({"format", "origin", "checkpoint", "log_keys", "service_keys",
                               "keys", "selection", "created_at", "records"})
 RECORD_FIELDS = frozenset({"log_index", "kind", "ref", "dsse", "inclusion_proof"})
+#: An erased envelope: its signed bytes are gone; ``tombstone`` is what an erasure record
+#: of the bundle states of it (``ledger.core.erasure.Tombstone.served``).
+TOMBSTONE_RECORD_FIELDS = frozenset({"log_index", "kind", "ref", "tombstone",
+                                     "inclusion_proof"})
 
 
 class BundleError(VerificationError):
@@ -99,6 +109,7 @@ class BundleHeader:
     service_keys: dict[str, bytes]
     witnesses: list[str] = field(default_factory=list)
     registry: Registry = field(default_factory=Registry)
+    tombstones: dict[int, Tombstone] = field(default_factory=dict)
 
 
 @dataclass
@@ -276,6 +287,8 @@ def _verify(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str, 
         rec = orjson.loads(line)
     except orjson.JSONDecodeError as exc:
         raise BundleError(f"{where}: not valid JSON: {exc}") from exc
+    if isinstance(rec, dict) and set(rec) == TOMBSTONE_RECORD_FIELDS:
+        return _verify_tombstone(rec, where, header)
     if not isinstance(rec, dict) or set(rec) != RECORD_FIELDS:
         raise BundleError(f"{where}: not a bundle record")
     index, kind, ref = rec["log_index"], rec["kind"], rec["ref"]
@@ -289,7 +302,7 @@ def _verify(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str, 
         env = dsse.envelope_from_obj(rec["dsse"])
 
         def key_for(keyid: str) -> bytes:
-            if kind == "admin_event":
+            if kind in FIRST_KINDS:
                 service = header.service_keys.get(keyid)
                 if service is None:
                     raise BundleError(f"admin event signed by {keyid}, not a trusted "
@@ -318,6 +331,8 @@ def _verify(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str, 
         if kind == "admin_event":
             event = open_admin_event(env, key_for)
             return index, kind, event.predicate
+        if kind == "erasure":
+            return index, kind, erasure_record(erasure_predicate(env.payload), (), index)
     except BundleError as exc:
         raise BundleError(f"{where}: {exc.message}") from exc
     except (LedgerError, ValueError, TypeError, KeyError, orjson.JSONDecodeError) as exc:
@@ -330,9 +345,36 @@ def verify_record(line: bytes, line_no: int, header: BundleHeader) -> tuple[int,
     """Verify one record line (not an admin event: see :func:`add_admin_event`); returns
     (log_index, kind)."""
     index, kind, _ = _verify(line, line_no, header)
-    if kind == "admin_event":
-        raise BundleError(f"line {line_no}: admin_event records must come first")
+    if kind in FIRST_KINDS:
+        raise BundleError(f"line {line_no}: {kind} records must come first")
     return index, kind
+
+
+def _verify_tombstone(rec: dict[str, Any], where: str, header: BundleHeader
+                      ) -> tuple[int, str, Any]:
+    """An erased envelope: an erasure record of the bundle (verified before, signed by a
+    service key) must state this tombstone; the leaf is rebuilt from it (request ID and
+    digest) and its inclusion proof checked, so the proofs of erased records still hold."""
+    index, ref, tomb = rec["log_index"], rec["ref"], rec["tombstone"]
+    if not isinstance(index, int) or isinstance(index, bool) or not isinstance(ref, str) \
+            or rec["kind"] != "envelope" or not isinstance(tomb, dict):
+        raise BundleError(f"{where}: not a tombstone record")
+    where = f"{where} (log index {index}, erased envelope {ref})"
+    signed = header.tombstones.get(index)
+    if signed is None:
+        raise BundleError(f"{where}: no erasure record of the bundle states this tombstone")
+    if tomb != signed.served() or signed.request_id != ref:
+        raise BundleError(f"{where}: the tombstone differs from what erasure "
+                          f"{signed.erasure_id} signed")
+    try:
+        proof = [_b64(h, "inclusion_proof item") for h in rec["inclusion_proof"]]
+        entry = log_entry_bytes("envelope", ref, signed.dsse_sha256)
+        verify_inclusion(leaf_hash(entry), index, header.checkpoint.size, proof,
+                         header.checkpoint.root_hash)
+    except (LedgerError, TypeError) as exc:
+        message = exc.message if isinstance(exc, LedgerError) else str(exc)
+        raise BundleError(f"{where}: {message}") from exc
+    return index, "erased_envelope", None
 
 
 def is_admin_event(line: bytes) -> bool:
@@ -341,13 +383,17 @@ def is_admin_event(line: bytes) -> bool:
         rec = orjson.loads(line)
     except orjson.JSONDecodeError:
         return False
-    return isinstance(rec, dict) and rec.get("kind") == "admin_event"
+    return isinstance(rec, dict) and rec.get("kind") in FIRST_KINDS
 
 
 def add_admin_event(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str]:
     """Verify an admin_event record and fold it into the header's key registry: the keys
     it registers sign the records after it (with a trust policy, only those)."""
     index, kind, pred = _verify(line, line_no, header)
+    if kind == "erasure":
+        for t_index, tomb in pred.tombstones.items():
+            header.tombstones.setdefault(t_index, tomb)
+        return index, kind
     if kind != "admin_event":
         raise BundleError(f"line {line_no}: not an admin_event record")
     try:
@@ -368,7 +414,7 @@ def _payload_ref(kind: str, payload: Any) -> str | None:
     if not isinstance(pred, dict):
         return None
     key = {"envelope": "request_id", "verdict": "verdict_id", "dispute_event": "event_id",
-           "admin_event": "event_id"}[kind]
+           "admin_event": "event_id", "erasure": "erasure_id"}[kind]
     value = pred.get(key)
     return value if isinstance(value, str) else None
 

@@ -55,6 +55,7 @@ from ledger.core.logentry import log_entry_bytes, parse_log_entry
 from ledger.core.merkle import EMPTY_ROOT, leaf_hash, verify_consistency
 from ledger.core.note import NoteVerifier, open_checkpoint
 from ledger.core.registry import RegisteredKey
+from ledger.core.sealing import KeyEncryptionKey
 from ledger.core.tiles import (
     FULL_TILE_BYTES,
     MemoryTileStore,
@@ -66,9 +67,10 @@ from ledger.core.tiles import (
 )
 from ledger.core.trust import TrustPolicy
 from ledger.db.session import session_scope
-from ledger.log.registry import vouched_keys
+from ledger.log.registry import _trusted_signers, vouched_keys
 from ledger.log.signer import log_verifiers
 from ledger.log.witnessing import audit_cosignatures, stored_cosignature_lines
+from ledger.privacy.audit import ErasureState, Opened, erasure_state
 from ledger.replay import views
 
 CHUNK = 5_000
@@ -83,6 +85,8 @@ class AuditReport:
     signatures_checked: int = 0
     records_checked: dict[str, int] = field(default_factory=dict)
     disputes_checked: int = 0
+    erased_records: int = 0  # envelopes checked against their erasure leaf's tombstone
+    sealed_records: int = 0  # envelopes stored encrypted (opened or erased)
     trusted: bool = False
     problems: list[str] = field(default_factory=list)
     first_bad_index: int | None = None
@@ -194,6 +198,18 @@ def _admin_view(dsse_bytes: bytes) -> dict[str, Any]:
         raise views.SignedRecordError(f"the signed admin event lacks {exc}") from None
 
 
+def _erasure_view(dsse_bytes: bytes) -> dict[str, Any]:
+    """The signed erasure statement (``ledger.core.erasure``): the row's ``body`` holds
+    the whole predicate."""
+    p = views.open_signed(dsse_bytes).statement["predicate"]
+    try:
+        return {"erasure_id": p["erasure_id"], "kind": p["kind"], "actor": p["actor"],
+                "data_subject_sha256": p.get("data_subject_sha256"),
+                "policy": p.get("policy"), "body": p, "at": views.parse_time(p["at"])}
+    except (KeyError, TypeError) as exc:
+        raise views.SignedRecordError(f"the signed erasure lacks {exc}") from None
+
+
 LEAF_KINDS: tuple[LeafKind, ...] = (
     LeafKind("envelope", "envelopes", "request_id", views.envelope_index,
              views.ENVELOPE_INDEX_FIELDS, lambda v: ("producer",),
@@ -207,6 +223,10 @@ LEAF_KINDS: tuple[LeafKind, ...] = (
     # Audited once its table exists (migration 0006, the registry work).
     LeafKind("admin_event", "admin_events", "event_id", _admin_view,
              ("event_id", "kind", "actor", "target", "body", "at"),
+             lambda v: ("ledger",)),
+    # Erasure leaves (migration 0015); what they say of envelopes: ledger.privacy.audit.
+    LeafKind("erasure", "erasures", "erasure_id", _erasure_view,
+             ("erasure_id", "kind", "actor", "data_subject_sha256", "policy", "body", "at"),
              lambda v: ("ledger",)),
 )
 """Every leaf kind of the log. One more kind is one more entry."""
@@ -316,7 +336,7 @@ def _check_record(report: AuditReport, spec: LeafKind, idx: int, entry: bytes,
                   ctx: _Context) -> bytes:
     """Audit one record (a ``_Stream`` row) against its entry; returns the entry
     recomputed from it."""
-    decoded = row[-1] if type(row[-1]) is _Decoded else None
+    decoded = row[-1] if type(row[-1]) in (_Decoded, Opened) else None
     if decoded is not None:
         row = row[:-1]
     dsse_bytes, ref = bytes(row[1]), row[2]
@@ -351,7 +371,9 @@ def _check_record(report: AuditReport, spec: LeafKind, idx: int, entry: bytes,
         for column, have, want in views.disagreements(rec, signed, spec.checked):
             report.fail(f"{where}: column {column} says {_show(have)}, the signed "
                         f"{spec.kind} says {_show(want)}", idx)
-    if keys is not None:
+    if keys is not None and type(decoded) is Opened and decoded.erased:
+        pass  # erased: its signed bytes are gone; its erasure leaf's signature vouches
+    elif keys is not None:
         allowed: dict[str, bytes] = {}
         for purpose in spec.signers(signed):
             allowed.update(keys.get(purpose, {}))
@@ -445,7 +467,8 @@ def audit(engine: Engine, origin: str, *, against: Iterable[tuple[str, bytes]] =
           signatures: bool = False, trust: TrustPolicy | None = None,
           kinds: tuple[LeafKind, ...] = LEAF_KINDS,
           progress: Callable[[int, int], None] | None = None,
-          workers: int = 0, since: bytes | None = None) -> AuditReport:
+          workers: int = 0, since: bytes | None = None,
+          kek: KeyEncryptionKey | None = None) -> AuditReport:
     """Audit the whole log, or with ``since`` what was added after a checkpoint audited
     before (:func:`_check_stored_tree` says what that checks). With ``trust``, checkpoints
     (stored and saved) count only when signed by one of ``trust.log_keys`` and dispute
@@ -474,17 +497,21 @@ def audit(engine: Engine, origin: str, *, against: Iterable[tuple[str, bytes]] =
     the tree rebuilt from the new entries on top of it must reach every later checkpoint's
     root (an RFC 9162 consistency proof from the stored tiles is verified as well).
     Rehashing the old entries and records is left to the full audit.
+
+    ``kek``: the key-encryption key, to open envelopes encrypted at rest; erased envelopes
+    are checked against their erasure leaf's tombstone (:mod:`ledger.privacy.audit`).
     """
     with contextlib.ExitStack() as stack:
         return _audit(engine, origin, against, witnessed, signatures, trust, kinds,
-                      progress, workers, stack, since)
+                      progress, workers, stack, since, kek)
 
 
 def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
            witnessed: Iterable[tuple[str, int, bytes]], signatures: bool,
            trust: TrustPolicy | None, kinds: tuple[LeafKind, ...],
            progress: Callable[[int, int], None] | None, workers: int,
-           stack: contextlib.ExitStack, since_note: bytes | None = None) -> AuditReport:
+           stack: contextlib.ExitStack, since_note: bytes | None = None,
+           kek: KeyEncryptionKey | None = None) -> AuditReport:
     report = AuditReport(trusted=trust is not None)
     if trust is not None:
         origin = trust.origin
@@ -514,6 +541,10 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
         keys = _signing_keys(session, trust, vouched) if signatures else None
         conn = session.connection().connection.driver_connection
         assert conn is not None
+        erasures: ErasureState | None = None
+        if any(k.kind == "envelope" for k in kinds):
+            with conn.cursor() as cur:
+                erasures = erasure_state(cur, _trusted_signers(session, trust)[0], kek)
         with conn.cursor() as cur:
             cur.execute("SELECT tree_size, root_hash, note FROM checkpoints "
                         "WHERE tree_size >= %s ORDER BY tree_size", (start,))
@@ -615,7 +646,9 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
                 workers, mp_context=multiprocessing.get_context("spawn")))
         for spec in present:
             rows = _record_stream(conn, spec, start)
-            if pool is not None and spec.values is not None:
+            if spec.kind == "envelope" and erasures is not None:
+                rows = erasures.open_rows(rows)  # sealed content opened, erased: tombstones
+            elif pool is not None and spec.values is not None:
                 rows = _decoded_in(pool, rows)
             streams.append(_Stream(spec, rows))
 
@@ -669,6 +702,13 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
         flush_to(size + len(pending))
         report.entries = expected - start
         report.tree_size = size
+        if erasures is not None:
+            extra = erasures.problems + (erasures.unmatched_tombstones() if since is None
+                                         else [])
+            for index, message in extra:
+                report.fail(f"erasure: {message}", index)
+            report.erased_records = erasures.erased_records
+            report.sealed_records = erasures.sealed_records
         if "envelope" in by_kind and len(kinds) > 1:
             with conn.cursor() as cur:
                 _check_subjects(report, cur, ctx)

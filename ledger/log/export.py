@@ -19,21 +19,24 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
 from ledger.core.bundle import FORMAT, header_bytes
 from ledger.core.keys import public_raw
 from ledger.core.note import format_verifier_key
+from ledger.core.sealing import KeyEncryptionKey
 from ledger.core.statements import bundle_statement
 from ledger.core.tiles import Tile, inclusion_proof_from_tiles
 from ledger.db.models import SigningKey
 from ledger.db.session import raw_connection
-from ledger.errors import BadRequest
+from ledger.errors import BadRequest, Conflict
 from ledger.log.proofs import NotYetIntegrated
 from ledger.log.signer import log_verifiers
 from ledger.log.store import PgTileReader
 from ledger.log.witnessing import export_checkpoint
+from ledger.privacy.keys import ErasedContent, Opener, kek_from_settings
 from ledger.producer import sign_statement
 from ledger.replay.records import Signer, require_signer
 from ledger.settings import get_settings
@@ -83,10 +86,14 @@ def key_records(session: Session) -> list[dict[str, Any]]:
             for k in rows]
 
 
-def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = None
-                 ) -> Iterator[bytes]:
+def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = None,
+                 kek: KeyEncryptionKey | None = None) -> Iterator[bytes]:
     """Yield the bundle line by line (newline-terminated bytes). ``signer`` is the ledger's
-    service key (default: LEDGER_SERVICE_KEY_FILE); without one nothing is exported."""
+    service key (default: LEDGER_SERVICE_KEY_FILE); without one nothing is exported.
+    Envelopes encrypted at rest are opened with ``kek`` (default: LEDGER_KEK_FILE); an
+    erased one travels as a tombstone line, after the erasure records that state it."""
+    if kek is None:
+        kek = kek_from_settings(get_settings())
     if signer is None:
         signer = Signer.from_file(get_settings().service_key_file, "ledger", "ledger-service")
     signer = require_signer(signer, "an export (its manifest is signed)")
@@ -121,8 +128,10 @@ def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = N
         parts = [
             ("admin_event", "SELECT a.log_index, a.event_id, a.dsse FROM admin_events a "
                             "WHERE a.log_index < %s"),
-            ("envelope", f"SELECT v.log_index, v.request_id, v.dsse FROM envelopes v "  # noqa: S608
-                         f"JOIN ({sel}) s USING (log_index)"),
+            ("erasure", "SELECT x.log_index, x.erasure_id, x.dsse FROM erasures x "
+                        "WHERE x.log_index < %s"),
+            ("envelope", f"SELECT v.log_index, v.request_id, v.dsse, v.dsse_sha256 "  # noqa: S608
+                         f"FROM envelopes v JOIN ({sel}) s USING (log_index)"),
             ("verdict", f"SELECT r.log_index, r.verdict_id, r.dsse FROM verdicts r "  # noqa: S608
                         f"JOIN ({sel}) s ON s.log_index = r.envelope_index "
                         f"WHERE r.log_index < %s"),
@@ -136,19 +145,23 @@ def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = N
         count = 0
         with tempfile.TemporaryFile() as spool:
             reader = CachingTileReader(PgTileReader(conn.cursor()))
+            opener = Opener(conn.cursor(), kek)
             for n, (kind, query) in enumerate(parts):
-                args = {"admin_event": [cp.tree_size], "envelope": params}.get(
-                    kind, [*params, cp.tree_size])
+                args = {"admin_event": [cp.tree_size], "erasure": [cp.tree_size],
+                        "envelope": params}.get(kind, [*params, cp.tree_size])
                 with conn.cursor(name=f"export_{n}") as rows:
                     rows.itersize = 2000
                     rows.execute(f"{query} ORDER BY 1", args)
-                    for log_index, ref, dsse_bytes in rows:
+                    for log_index, ref, dsse_bytes, *dsse_sha256 in rows:
                         proof = inclusion_proof_from_tiles(log_index, cp.tree_size, reader)
-                        line = (b'{"log_index":%d,"kind":"%s","ref":%s,"dsse":%s,'
+                        member = b'"dsse":%s' % bytes(dsse_bytes)
+                        if dsse_sha256:  # an envelope: open it, or its tombstone if erased
+                            member = _envelope_member(opener, bytes(dsse_bytes),
+                                                      bytes(dsse_sha256[0]), log_index)
+                        line = (b'{"log_index":%d,"kind":"%s","ref":%s,%s,'
                                 b'"inclusion_proof":%s}\n' % (
                                     log_index, kind.encode(), json.dumps(ref).encode(),
-                                    bytes(dsse_bytes),
-                                    json.dumps([_b64(h) for h in proof]).encode()))
+                                    member, json.dumps([_b64(h) for h in proof]).encode()))
                         digest.update(line)
                         spool.write(line)
                         count += 1
@@ -167,3 +180,16 @@ def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = N
             yield header_bytes(count, sign_statement(statement, signer.key)) + b"\n"
             spool.seek(0)
             yield from spool
+
+
+def _envelope_member(opener: Opener, stored: bytes, digest: bytes, log_index: int) -> bytes:
+    """``"dsse":<the DSSE bytes>`` (opened where encrypted at rest), or
+    ``"tombstone":{...}`` for an erased envelope."""
+    try:
+        return b'"dsse":%s' % opener.open(stored, digest, log_index)
+    except ErasedContent as erased:
+        if erased.tombstone is None:
+            raise Conflict(f"the envelope at log index {log_index} is unreadable: "
+                           f"{erased.reason}; run `ledger audit`",
+                           code="unreadable_record") from None
+        return b'"tombstone":%s' % orjson.dumps(erased.tombstone.served())

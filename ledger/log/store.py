@@ -142,9 +142,11 @@ def integrated_size(cursor: Any) -> int:
     return int(row[0]) if row else 0
 
 
-def sequenced_size(cursor: Any) -> int:
-    """How many entries were sequenced (``log_state``)."""
-    cursor.execute("SELECT size FROM log_state WHERE id = 1")
+def sequenced_size(cursor: Any, *, lock: bool = False) -> int:
+    """How many entries were sequenced (``log_state``); ``lock`` holds the row for this
+    transaction (the sequencer's lock, which :data:`SEQUENCE` also takes)."""
+    cursor.execute("SELECT size FROM log_state WHERE id = 1 FOR UPDATE" if lock
+                   else "SELECT size FROM log_state WHERE id = 1")
     row = cursor.fetchone()
     assert row is not None, "log_state row missing: run `ledger db upgrade`"
     return int(row[0])

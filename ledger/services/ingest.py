@@ -40,9 +40,11 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from ledger.core import dsse
-from ledger.core.envelope import IndexFields, Limits, index_fields, parse_statement
+from ledger.core.envelope import IndexFields, Limits, index_fields, parse_statement, runtime_of
 from ledger.core.errors import FormatError, LedgerError, ValidationFailed
+from ledger.core.sealing import KeyEncryptionKey
 from ledger.db.session import raw_cursor
+from ledger.privacy import keys as privacy_keys
 from ledger.services import sequencer
 from ledger.services.keys import KeyRing, load_keyring
 from ledger.settings import Settings
@@ -171,7 +173,7 @@ def prepare(env: dsse.Envelope, keyring: KeyRing, limits: Limits, now: datetime,
                 f"became valid ({start.isoformat()})", code="recorded_before_key_valid")
     dsse_bytes = env.canonical_bytes()
     digest = hashlib.sha256(dsse_bytes).digest()
-    runtime = statement.predicate.runtime.model_dump(mode="json")
+    runtime = runtime_of(statement)
     return Prepared(dsse_bytes, digest, keyids, fields, runtime)
 
 
@@ -326,12 +328,34 @@ _STORE_ENVELOPES = """, stored AS (
 )"""
 
 
-def _write(cur: Any, new: Sequence[Prepared]) -> int:
-    """Sequence and store ``new`` in one statement; returns the first log index."""
+def _stored_bytes(cur: Any, kek: KeyEncryptionKey | None,
+                  new: Sequence[Prepared]) -> list[bytes]:
+    """What goes into ``envelopes.dsse``: the DSSE bytes, sealed under each record's data
+    key when a KEK is configured (:mod:`ledger.privacy.keys`; the leaf still commits to
+    the DSSE bytes' SHA-256)."""
+    if kek is None:
+        return [p.dsse_bytes for p in new]
+    return privacy_keys.seal_rows(cur, kek, [
+        (privacy_keys.scope_of(p.fields.data_subject, p.fields.channel,
+                               p.fields.model_sha256, p.fields.recorded_at),
+         p.dsse_bytes, p.dsse_sha256) for p in new])
+
+
+def _write(cur: Any, new: Sequence[Prepared], settings: Settings | None = None) -> int:
+    """Sequence and store ``new`` in one statement; returns the first log index.
+
+    With a KEK the data keys are taken ``FOR SHARE`` (an erasure cannot destroy a key
+    between sealing and storing) inside the caller's transaction, after the sequencer lock,
+    in the order erasure takes them (``ledger.privacy.erasure``): that path holds the lock
+    for a few statements."""
+    kek = privacy_keys.kek_from_settings(settings) if settings is not None else None
+    if kek is not None:
+        sequencer.lock(cur)
+    stored = _stored_bytes(cur, kek, new)
     fields = [p.fields for p in new]
     fingerprints = {p.fields.fingerprint_id: p.runtime for p in new}
     params = {
-        "request_id": [f.request_id for f in fields], "dsse": [p.dsse_bytes for p in new],
+        "request_id": [f.request_id for f in fields], "dsse": stored,
         "dsse_sha256": [p.dsse_sha256 for p in new],
         "keyids": [",".join(p.keyids) for p in new],  # 64-hex each (dsse.py): no commas
         "model_sha256": [f.model_sha256 for f in fields],
@@ -355,7 +379,8 @@ def _write(cur: Any, new: Sequence[Prepared]) -> int:
 _ATTEMPTS = 5
 
 
-def store_groups(cur: Any, groups: Sequence[Group], *, optimistic: bool = False) -> None:
+def store_groups(cur: Any, groups: Sequence[Group], *, optimistic: bool = False,
+                 settings: Settings | None = None) -> None:
     """Classify and store ``groups`` (each gets its report). ``cur`` is either in
     autocommit (the statement commits as it runs: :class:`GroupCommit`) or inside the
     caller's transaction (a savepoint then undoes a lost race).
@@ -365,9 +390,10 @@ def store_groups(cur: Any, groups: Sequence[Group], *, optimistic: bool = False)
     stored one fails that statement on the unique constraint, and the next attempt reads.
     An atomic batch is only ever rejected on a classification that read storage."""
     conn = cur.connection
+    sealing = settings is not None and settings.kek_file is not None
     for attempt in range(_ATTEMPTS):
-        try:
-            with nullcontext() if conn.autocommit else conn.transaction():
+        try:  # autocommit: one statement, unless sealing (a transaction of its own then)
+            with conn.transaction() if sealing or not conn.autocommit else nullcontext():
                 look_up = attempt > 0 or not optimistic
                 new, pending = _plan(cur, groups, look_up=look_up)
                 if not look_up and any(g.report is not None and
@@ -376,7 +402,7 @@ def store_groups(cur: Any, groups: Sequence[Group], *, optimistic: bool = False)
                     # a rejection names every failed item: conflicts with storage too
                     new, pending = _plan(cur, groups)
                 if new:
-                    start = _write(cur, new)
+                    start = _write(cur, new, settings)
                     for result, slot in pending:
                         result.log_index = start + slot
             return
@@ -396,8 +422,10 @@ class GroupCommit:
     batching delay). Failures reach every request of the statement (a lost database is a
     503 to each of them); nothing of a failed statement is stored."""
 
-    def __init__(self, engine: Engine, max_items: int = 2000) -> None:
+    def __init__(self, engine: Engine, settings: Settings | None = None,
+                 max_items: int = 2000) -> None:
         self.engine = engine
+        self.settings = settings
         self.max_items = max_items
         self._cv = threading.Condition()
         self._waiting: list[_Ticket] = []
@@ -450,13 +478,14 @@ class GroupCommit:
         try:
             with raw_cursor(self._connection()) as cur:
                 try:
-                    store_groups(cur, [t.group for t in batch], optimistic=True)
+                    store_groups(cur, [t.group for t in batch], optimistic=True,
+                                 settings=self.settings)
                 except psycopg.errors.DataError:
                     if len(batch) == 1:
                         raise
                     for t in batch:  # one group's bad value fails that group only
                         try:
-                            store_groups(cur, [t.group])
+                            store_groups(cur, [t.group], settings=self.settings)
                         except psycopg.errors.DataError as exc:
                             t.error = exc
         except BaseException as exc:
@@ -498,7 +527,7 @@ def ingest_batch(session: Session, raw_items: Sequence[Any], settings: Settings,
             group_commit.store(group)
         else:
             with raw_cursor(session) as cur:
-                store_groups(cur, [group])
+                store_groups(cur, [group], settings=settings)
     if group.report is None:  # nothing to store: every item failed before storage
         failed = sorted(failures, key=lambda r: r.position)
         group.report = _rejected(len(prepared), failed) if atomic else \

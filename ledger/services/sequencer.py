@@ -27,6 +27,12 @@ from ledger.core.merkle import leaf_hash
 from ledger.log import store
 
 
+def lock(cur: Any) -> int:
+    """Take the sequencer lock for this transaction before anything else (erasure, and
+    sealed ingest, which then lock data keys: one lock order); the next free index."""
+    return store.sequenced_size(cur, lock=True)
+
+
 def append(cur: Any, leaves: Sequence[tuple[str, str, str]], records: str = "",
            params: Mapping[str, Any] | None = None) -> list[int]:
     """Sequence log entries for (kind, ref, dsse_sha256 hex) in one statement, with the

@@ -41,6 +41,7 @@ from ledger.core.errors import FormatError, ValidationFailed
 from ledger.errors import Conflict
 from ledger.log import proofs
 from ledger.log.integrator import integrate_once
+from ledger.privacy.keys import kek_from_settings
 from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
 from ledger.services import envelopes as envelope_service
 from ledger.services import ingest as ingest_service
@@ -293,8 +294,9 @@ def get_envelope(
     request_id: RequestIdPath,
     _: Principal = Depends(require("envelopes:read")),
     session: Session = Depends(get_session),
+    settings: Settings = Depends(get_settings_dep),
 ) -> Response:
-    view = envelope_service.envelope_view(session, request_id)
+    view = envelope_service.envelope_view(session, request_id, kek_from_settings(settings))
     # The DSSE member is spliced in byte for byte: what was stored is what is served.
     # Index columns that disagree with the signed payload are flagged in "integrity".
     return Response(b'{"dsse":' + view.dsse + b',"index":' + orjson.dumps(view.index)
