@@ -21,15 +21,22 @@ and its baseline alternate within a round, rounds repeat; medians and ranges are
 
 With ``--integrate`` the servers also run the integrator (as in production), and the HTTP
 batch figure counts an envelope only once it is in a signed checkpoint.
+
+With ``--encryption`` a second server with a key-encryption key (``LEDGER_KEK_FILE``) runs
+beside the first on the same database, and each batch round also ingests fresh envelopes
+with a ``data_subject`` (one of 1,000) through it: stored encrypted under per-subject data
+keys (docs/privacy.md). The table gives its ratio to the plain batch figure (issue 18).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,21 +51,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import machine, pct, scratch_database, table
 
 
-def _sign_chunk(args: tuple[bytes, int]) -> list[bytes]:
+def _sign_chunk(args: tuple[bytes, int, int]) -> list[bytes]:
     from ledger.core.keys import load_private_pem
     from ledger.producer import envelope_to_json, sign_statement
     from tests.helpers import statement
 
-    producer_pem, n = args
+    producer_pem, n, subjects = args
     key = load_private_pem(producer_pem)
+
+    def extra(i: int) -> dict[str, str]:
+        return {"data_subject": f"subject-{i % subjects}"} if subjects else {}
+
     return [json.dumps(envelope_to_json(sign_statement(
-        statement(prompt_len=512, output_len=128), key)), separators=(",", ":")).encode()
-        for _ in range(n)]
+        statement(prompt_len=512, output_len=128, **extra(i)), key)),
+        separators=(",", ":")).encode() for i in range(n)]
 
 
-def make_envelopes(n: int, producer_pem: bytes) -> list[bytes]:
-    """``n`` signed envelopes (JSON bytes, fresh request IDs), built on every core."""
-    chunks = [(producer_pem, min(500, n - i)) for i in range(0, n, 500)]
+def make_envelopes(n: int, producer_pem: bytes, subjects: int = 0) -> list[bytes]:
+    """``n`` signed envelopes (JSON bytes, fresh request IDs), built on every core; with
+    ``subjects``, each names one of that many data subjects."""
+    chunks = [(producer_pem, min(500, n - i), subjects) for i in range(0, n, 500)]
     with mp.get_context("fork").Pool(os.cpu_count() or 1) as pool:
         return [e for part in pool.map(_sign_chunk, chunks) for e in part]
 
@@ -175,6 +187,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds")
     ap.add_argument("--integrate", action="store_true",
                     help="run the integrator in the servers; batch runs time until integrated")
+    ap.add_argument("--encryption", action="store_true",
+                    help="batch rounds also ingest through a server with LEDGER_KEK_FILE")
     ap.add_argument("--json", type=Path, help="also write results here")
     args = ap.parse_args()
     client_counts = [int(c) for c in args.clients.split(",")]
@@ -198,14 +212,17 @@ def main() -> None:
             conn.execute("CREATE TABLE bench_copy_lz4 (id bigint, body bytea COMPRESSION lz4)")
         extra_env = {}
         if args.integrate:
-            import tempfile
-
             key_file = Path(tempfile.mkdtemp()) / "log.pem"
             key_file.write_bytes(private_pem(generate_private_key()))
             extra_env = {"LEDGER_LOG_KEY_FILE": str(key_file)}
         offset = 0
         total = 0
-        with run_server(url, workers=args.workers, extra_env=extra_env) as server:
+        kek_file = Path(tempfile.mkdtemp()) / "kek"
+        kek_file.write_bytes(os.urandom(32).hex().encode())
+        with run_server(url, workers=args.workers, extra_env=extra_env) as server, \
+                (run_server(url, workers=args.workers,
+                            extra_env={**extra_env, "LEDGER_KEK_FILE": str(kek_file)})
+                 if args.encryption else contextlib.nullcontext()) as enc_server:
             for rnd in range(args.rounds):
                 for clients in client_counts:
                     for mode in modes:
@@ -237,6 +254,13 @@ def main() -> None:
                                 runs[key] = run_parallel(_copy_client, [
                                     (pg_url, table_name, rows[i::clients], offset + i * n)
                                     for i in range(clients)])
+                            if enc_server is not None:  # issue 18: same run, sealed
+                                sealed = batch_bodies(make_envelopes(n, pem, 1000),
+                                                      args.batch)
+                                runs["batch_enc"] = run_parallel(_http_batch, [
+                                    (enc_server.base_url, keys["ingester"], sealed[i::clients])
+                                    for i in range(clients)])
+                                total += n
                         offset += 100 * n
                         total += n
                         line = []
@@ -260,11 +284,12 @@ def main() -> None:
               "insert": "baseline: single-row INSERT+COMMIT, same bytes, bare table",
               "batch": "ledger POST /v1/envelopes/batch" +
                        (" + integration" if args.integrate else ""),
+              "batch_enc": "ledger POST /v1/envelopes/batch, encrypted at rest (KEK)",
               "copy": "baseline: COPY of same bytes, bare table",
               "copy_lz4": "baseline: COPY, bare table with lz4 (as envelopes)"}
-    baseline_of = {"single": "insert", "batch": "copy"}
+    baseline_of = {"single": "insert", "batch": "copy", "batch_enc": "batch"}
     for clients in client_counts:
-        for key in ("single", "insert", "batch", "copy", "copy_lz4"):
+        for key in ("single", "insert", "batch", "batch_enc", "copy", "copy_lz4"):
             if (key, clients) not in results:
                 continue
             med, spread, p50, p99 = summary(results[(key, clients)])
