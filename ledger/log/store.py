@@ -260,7 +260,7 @@ def integrated_size(cursor: Any) -> int:
 
 def sequenced_size(cursor: Any, *, lock: bool = False) -> int:
     """How many entries were sequenced (``log_state``); ``lock`` holds the row for this
-    transaction, which is the sequencer's lock."""
+    transaction (the sequencer's lock, which :data:`SEQUENCE` also takes)."""
     cursor.execute("SELECT size FROM log_state WHERE id = 1 FOR UPDATE" if lock
                    else "SELECT size FROM log_state WHERE id = 1")
     row = cursor.fetchone()
@@ -268,16 +268,35 @@ def sequenced_size(cursor: Any, *, lock: bool = False) -> int:
     return int(row[0])
 
 
-def append_entries(cursor: Any, start: int,
-                   rows: Sequence[tuple[str, str, bytes, bytes]]) -> None:
-    """Write (kind, ref, entry, leaf hash) rows from index ``start`` and move
-    ``log_state`` past them. The caller holds the sequencer lock."""
-    with cursor.copy("COPY log_entries (idx, kind, ref, entry, leaf_hash) "
-                     "FROM STDIN (FORMAT BINARY)") as copy:
-        copy.set_types(["int8", "text", "text", "bytea", "bytea"])
-        for offset, (kind, ref, entry, leaf) in enumerate(rows):
-            copy.write_row((start + offset, kind, ref, entry, leaf))
-    cursor.execute("UPDATE log_state SET size = %s WHERE id = 1", (start + len(rows),))
+#: The sequencing statement. ``seq`` moves ``log_state`` past the new entries: that UPDATE
+#: takes the row lock that serialises sequencing, first thing in the statement (everything
+#: else reads ``seq``), and the statement's commit releases it. The ``{records}`` CTEs
+#: store the records that carry the indices (``seq.start + ord - 1``) in the same statement.
+SEQUENCE = """
+WITH seq AS (
+  UPDATE log_state SET size = size + %(n)s::bigint WHERE id = 1
+  RETURNING size - %(n)s::bigint AS start
+), sequenced AS (
+  INSERT INTO log_entries (idx, kind, ref, entry, leaf_hash)
+  SELECT seq.start + l.ord - 1, l.kind, l.ref, l.entry, l.leaf_hash
+  FROM seq, unnest(%(kind)s::text[], %(ref)s::text[], %(entry)b::bytea[],
+                   %(leaf_hash)b::bytea[]) WITH ORDINALITY AS l(kind, ref, entry, leaf_hash, ord)
+){records}
+SELECT start FROM seq
+"""
+
+
+def sequence(cursor: Any, rows: Sequence[tuple[str, str, bytes, bytes]], records: str = "",
+             params: Mapping[str, Any] | None = None) -> int:
+    """Write (kind, ref, entry, leaf hash) rows at the next free indices, in one statement
+    with the ``records`` CTEs (and their ``params``); returns the first index."""
+    assert rows, "nothing to sequence"
+    cursor.execute(SEQUENCE.format(records=records), {
+        "n": len(rows), "kind": [r[0] for r in rows], "ref": [r[1] for r in rows],
+        "entry": [r[2] for r in rows], "leaf_hash": [r[3] for r in rows], **(params or {})})
+    row = cursor.fetchone()
+    assert row is not None, "log_state row missing: run `ledger db upgrade`"
+    return int(row[0])
 
 
 def entry_at(cursor: Any, index: int) -> bytes | None:

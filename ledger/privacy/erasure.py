@@ -11,8 +11,9 @@ keys serialize on the locks; the second finds nothing left to destroy.
 
 from __future__ import annotations
 
+import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -26,6 +27,7 @@ from ledger.core.erasure import (
     erasure_statement,
     tombstone_record,
 )
+from ledger.core.keys import public_raw
 from ledger.core.sealing import KeyEncryptionKey
 from ledger.core.statements import timestamp
 from ledger.db.models import Erasure, RetentionPolicy
@@ -35,6 +37,8 @@ from ledger.privacy.keys import CIPHERS
 from ledger.replay import views
 from ledger.replay.records import Signer, append_signed
 from ledger.services import sequencer
+
+log = logging.getLogger("ledger.privacy")
 
 #: Most data keys one erasure leaf destroys (a retention run erases the rest next tick).
 MAX_KEYS_PER_ERASURE = 500
@@ -146,15 +150,28 @@ def retention_cutoff(policy: RetentionPolicy, now: datetime) -> Any:
 
 
 def run_retention(session: Session, signer: Signer, kek: KeyEncryptionKey | None,
-                  now: datetime | None = None) -> list[ErasureResult]:
+                  now: datetime | None = None,
+                  trusted: Mapping[str, bytes] | None = None) -> list[ErasureResult]:
     """One pass of every enabled retention policy (``ledger beat``): what is older than
     its window is erased, one signed leaf per policy and batch of keys. Concurrent beats
-    serialize on the sequencer lock; what one erased the other finds gone."""
+    serialize on the sequencer lock; what one erased the other finds gone.
+
+    Only a policy whose row equals its ``retention.created`` leaf, signed by one of
+    ``trusted`` (keyid -> public key; default: the beat's own service key), erases: a row
+    planted or edited in the database is refused here, before anything is destroyed."""
+    from ledger.log.registry import retention_vouched
+
+    if trusted is None:
+        trusted = {signer.keyid: public_raw(signer.key)}
     now = now or datetime.now(UTC)
     out = []
     policies = session.scalars(select(RetentionPolicy).where(RetentionPolicy.enabled)
                                .order_by(RetentionPolicy.name)).all()
     for p in policies:
+        refused = retention_vouched(session, p, trusted)
+        if refused is not None:
+            log.error("retention policy %s (%r) is not used: %s", p.id, p.name, refused)
+            continue
         where = ["day < %s"]
         params: list[Any] = [retention_cutoff(p, now)]
         if p.channel is not None:
@@ -177,13 +194,20 @@ def run_retention(session: Session, signer: Signer, kek: KeyEncryptionKey | None
     return out
 
 
-def create_policy(session: Session, *, name: str, erase_after_days: int,
+def create_policy(session: Session, signer: Signer, *, name: str, erase_after_days: int,
                   channel: str | None, model_sha256: str | None,
                   created_by: str) -> RetentionPolicy:
+    """Create a retention policy and its signed ``retention.created`` leaf (one
+    transaction): the beat erases by no policy without one."""
+    from ledger.log.registry import append_admin_event, retention_event
+
     if session.scalar(select(RetentionPolicy.id).where(RetentionPolicy.name == name)):
         raise Conflict(f"a retention policy named {name!r} exists", code="policy_exists")
     row = RetentionPolicy(id=uuid.uuid4(), name=name, erase_after_days=erase_after_days,
                           channel=channel, model_sha256=model_sha256, created_by=created_by)
     session.add(row)
     session.flush()
+    session.refresh(row)  # created_at and enabled, the server's
+    append_admin_event(session, signer, kind="retention.created", actor=created_by,
+                       retention=retention_event(row))
     return row

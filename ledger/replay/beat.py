@@ -60,8 +60,15 @@ def _retention(engine: Engine, settings: Settings, signer: Signer | None) -> int
     kek = kek_from_settings(settings)
     if signer is None or kek is None:
         return 0
+    trusted = None
+    if settings.trust_policy_file is not None:  # the policy's service keys, not only ours
+        from ledger.core.keys import key_id
+        from ledger.core.trust import load_trust_policy
+
+        keys = load_trust_policy(settings.trust_policy_file).service_keys
+        trusted = {key_id(bytes(k)): bytes(k) for k in keys}
     with session_scope(engine) as session:
-        return len(erasure.run_retention(session, signer, kek))
+        return len(erasure.run_retention(session, signer, kek, trusted=trusted))
 
 
 def _until_next_tick(driver: Any, woken: threading.Event, interval_s: float,

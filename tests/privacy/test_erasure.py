@@ -15,7 +15,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from sqlalchemy import select, text
+from sqlalchemy import func, select, text
 
 from ledger.core import sealing
 from ledger.core.bundle import verify_bundle
@@ -175,20 +175,61 @@ def test_erase_one_subject(log: Log) -> None:
     _audit_ok(log)
 
 
-def test_retention_erases_once_under_concurrent_beats(log: Log) -> None:
-    """Envelopes recorded 40 days ago fall under a 30-day policy; the recent ones stay.
-    Four beats run the policy at once: one erasure leaf, every old record erased once."""
+def _old_records(log: Log) -> list[int]:
+    """Three envelopes recorded 40 days ago (by a gateway key valid since then)."""
     old_at = datetime.now(UTC) - timedelta(days=40)
-    backfill = generate_private_key()  # a gateway key valid since before those records
+    backfill = generate_private_key()
     with session_scope(log.engine) as s:
         register_key(s, public_key=public_raw(backfill), purpose="producer", name="backfill",
                      not_before=old_at - timedelta(days=1), signer=log.service)
     old = [signed(statement(recorded_at=old_at.isoformat(), data_subject=f"old-{i}",
                             prompt_token_ids=[7_000_000 + i * 13 + j for j in range(8)]),
                   backfill) for i in range(3)]
-    old_idx = log.ingest(old)
+    return log.ingest(old)
+
+
+def test_a_retention_policy_planted_or_edited_in_the_database_erases_nothing(
+        log: Log) -> None:
+    """Erasure cannot be undone, so the beat checks each policy against its signed
+    ``retention.created`` leaf before it erases: a policy row inserted, or a window
+    shortened, by the database superuser erases nothing, and the audit names both."""
+    import uuid
+
+    from ledger.core.trust import TrustPolicy
+    from ledger.db.models import AdminEvent, DataKey
+
+    _old_records(log)
     with session_scope(log.engine) as s:
-        erasure.create_policy(s, name="30d", erase_after_days=30, channel=None,
+        honest = erasure.create_policy(s, log.service, name="90d", erase_after_days=90,
+                                       channel=None, model_sha256=None, created_by="admin")
+        keys_before = s.scalar(select(func.count()).select_from(DataKey))
+        leaf = s.scalar(select(AdminEvent.log_index).where(
+            AdminEvent.target == str(honest.id)))
+    planted = uuid.uuid4()
+    with psycopg.connect(log.db_url.replace("postgresql+psycopg://", "postgresql://")) as c:
+        c.execute("SET session_replication_role = replica")
+        c.execute("UPDATE retention_policies SET erase_after_days = 1 WHERE id = %s",
+                  (honest.id,))
+        c.execute("INSERT INTO retention_policies (id, name, erase_after_days, created_by) "
+                  "VALUES (%s, 'planted', 1, 'mallory')", (planted,))
+    with session_scope(log.engine) as s:
+        assert erasure.run_retention(s, log.service, log.kek) == []  # refused, both
+        assert s.scalar(select(func.count()).select_from(DataKey)) == keys_before
+    log.integrate()
+    trust = TrustPolicy(ORIGIN, (log.log_signer.verifier(),), (public_raw(log.service.key),))
+    report = audit(log.engine, ORIGIN, signatures=True, trust=trust, kek=log.kek)
+    text_ = "\n".join(report.problems)
+    assert f"retention policy {planted} ('planted') has no creation leaf" in text_, text_
+    assert (f"retention policy {honest.id} ('90d'): erase_after_days is 1 in the table, 90 "
+            f"in the leaf at log index {leaf}") in text_, text_
+
+
+def test_retention_erases_once_under_concurrent_beats(log: Log) -> None:
+    """Envelopes recorded 40 days ago fall under a 30-day policy; the recent ones stay.
+    Four beats run the policy at once: one erasure leaf, every old record erased once."""
+    old_idx = _old_records(log)
+    with session_scope(log.engine) as s:
+        erasure.create_policy(s, log.service, name="30d", erase_after_days=30, channel=None,
                               model_sha256=None, created_by="admin")
     results: list[list[erasure.ErasureResult]] = []
     errors: list[BaseException] = []

@@ -92,11 +92,12 @@ def erase_data_subject(
 @router.post("/retention-policies", response_model=RetentionPolicyOut, status_code=201,
              summary="Erase what is older than N days (of a channel and/or model)")
 def create_retention_policy(
-    body: RetentionPolicyIn,
+    body: RetentionPolicyIn, request: Request,
     principal: Principal = Depends(require("privacy:admin")),
     session: Session = Depends(get_session),
 ) -> RetentionPolicyOut:
-    row = erasure.create_policy(session, name=body.name,
+    signer = require_signer(request.app.state.service_signer, "a retention policy")
+    row = erasure.create_policy(session, signer, name=body.name,
                                 erase_after_days=body.erase_after_days,
                                 channel=body.channel, model_sha256=body.model_sha256,
                                 created_by=principal.name)
