@@ -18,10 +18,17 @@ The end-to-end ingest figure with integration on is `benchmarks/ingest.py --inte
     python benchmarks/log.py [--entries 1000000] [--samples 2000] [--bundle 5000]
                              [--audit-entries 1000000] [--only-audit] [--audit-db NAME]
                              [--audit-since 10000] [--only-incremental]
+                             [--only-proofs --audit-db NAME [--http-samples N] [--no-export]]
 
 5. with ``--audit-since ADD`` (or ``--only-incremental``, ADD default 10,000): the full
    audit of a log of ``--audit-entries`` + ADD entries next to ``ledger audit --since``
    the checkpoint at ``--audit-entries``, same run (the acceptance: < 5%).
+
+6. with ``--only-proofs --audit-db NAME`` (issue 17, acceptance 2): on the audit's log of
+   ``--audit-entries`` real records, inclusion and consistency proofs in-process next to
+   a point SELECT of one entry and the proofs as they were before (subtrees recomputed),
+   over HTTP next to ``GET /v1/log/checkpoint``, and a whole-log export next to COPY of
+   the same DSSE columns to a file (text and binary), all in the same run.
 
 ``--audit-db NAME`` keeps the audit's log in database NAME (built on the first run, reused
 by later runs with the same ``--audit-entries``: building 1,000,000 signed entries takes
@@ -406,6 +413,182 @@ def incremental_benchmark(n: int, add: int, keep: str | None = None,
     return run(url, not exists)
 
 
+class RecomputingReader:
+    """The proofs' reader before stored subtree hashes (main before issue 17's tiles
+    work): tiles only (full ones from the process-wide cache), every subtree recomputed."""
+
+    def __init__(self, cur: Any) -> None:
+        from ledger.log.store import PgTileReader
+
+        self.inner = PgTileReader(cur)
+
+    def read_tiles(self, tiles: Any) -> Any:
+        return self.inner.read_tiles(tiles)
+
+
+def _before_inclusion(session: Any, index: int) -> None:
+    """``ledger.log.proofs.inclusion`` as it was (3 queries, recomputed subtrees, no
+    check against the signed root): the same-run "before"."""
+    from ledger.core.tiles import inclusion_proof_from_tiles
+    from ledger.db.session import raw_cursor
+    from ledger.log.store import entry_at, latest_checkpoint
+
+    with raw_cursor(session) as cur:
+        cp = latest_checkpoint(cur)
+        assert cp is not None
+        assert entry_at(cur, index) is not None
+        inclusion_proof_from_tiles(index, cp.tree_size, RecomputingReader(cur))
+
+
+def proofs_benchmark(n: int, keep: str, samples: int, http_samples: int,
+                     export: bool, export_rounds: int = 2) -> list[list[object]]:
+    """Proof latency at ``n`` entries (in-process and over HTTP) and a whole-log export,
+    on the kept log ``keep`` (built by :func:`audit_log` when missing; upgraded to
+    head, which fills ``tile_nodes`` for a log built before migration 0014). Same-run
+    baselines: a point SELECT of one log entry over the same connection; the proofs as
+    they were before (recomputed subtrees); an HTTP GET of ``/v1/log/checkpoint`` (one
+    SELECT, the framework's cost); ``COPY`` of the same DSSE column(s) to a file."""
+    from ledger.core.keys import generate_private_key
+    from ledger.db.session import raw_cursor, session_scope, upgrade
+    from ledger.log import proofs
+    from ledger.log.export import Selection, bundle_lines
+    from ledger.log.store import SUBTREES
+    from ledger.replay.records import Signer
+    from tests.conftest import provision
+    from tests.helpers import run_server
+
+    rows: list[list[object]] = []
+    with audit_log(n, keep) as engine:
+        url = engine.url.render_as_string(hide_password=False)
+        pg_url = url.replace("postgresql+psycopg://", "postgresql://")
+        t = time.perf_counter()
+        upgrade(url)
+        with psycopg.connect(pg_url) as conn:
+            nodes = conn.execute("SELECT count(*) FROM tile_nodes").fetchone()
+        print(f"upgraded to head in {time.perf_counter() - t:.1f} s "
+              f"({nodes[0] if nodes else 0:,} full tiles with stored subtree hashes)")
+        rng = random.Random(17)
+        lat: dict[str, list[float]] = {k: [] for k in (
+            "select", "inclusion", "before", "consistency")}
+        SUBTREES.forget_all()
+        with session_scope(engine) as s, raw_cursor(s) as cur:
+            for _ in range(samples):  # interleaved, so load changes hit all alike
+                i = rng.randrange(n)
+                t = time.perf_counter()
+                cur.execute("SELECT entry FROM log_entries WHERE idx = %s", (i,))
+                cur.fetchone()
+                lat["select"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                proofs.inclusion(s, i)
+                lat["inclusion"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                _before_inclusion(s, rng.randrange(n))
+                lat["before"].append(time.perf_counter() - t)
+                m = rng.randrange(1, n)
+                t = time.perf_counter()
+                proofs.consistency(s, m, None)
+                lat["consistency"].append(time.perf_counter() - t)
+        base = pct(lat["select"], 50)
+        print("in-process done", flush=True)
+        for key, label in (("select", "baseline: point SELECT of one log entry"),
+                           ("before", "inclusion proof before (recomputed subtrees)"),
+                           ("inclusion", "inclusion proof, in-process (verified)"),
+                           ("consistency", "consistency proof, in-process (verified)")):
+            rows.append([f"{label}, {n:,} entries", f"{pct(lat[key], 50) * 1e3:.3f} ms",
+                         f"{pct(lat[key], 99) * 1e3:.3f} ms",
+                         f"x{pct(lat[key], 50) / base:.2f} of the SELECT"])
+
+        print(table(["measurement", "p50", "p99", "vs same-run baseline"], rows), flush=True)
+        with psycopg.connect(pg_url) as conn:  # a kept log: last run's API keys go
+            conn.execute("UPDATE api_keys SET revoked_at = now() "
+                         "WHERE name LIKE 'test-%%' AND revoked_at IS NULL")
+        keys, _ = provision(url)
+        with run_server(url, extra_env={"LEDGER_LOG_NAME": AUDIT_ORIGIN,
+                                        "LEDGER_METRICS_PORT": "0"}) as server, \
+                httpx.Client(base_url=server.base_url,
+                             headers={"Authorization": f"Bearer {keys['reviewer']}"}) as http:
+            http_lat: dict[str, list[float]] = {"checkpoint": [], "inclusion": [],
+                                                "consistency": []}
+            for _ in range(200):  # warm the server's cache of the top of the tree
+                http.get("/v1/log/proof", params={"index": rng.randrange(n)})
+            for _ in range(http_samples):
+                for name, path, param in (("checkpoint", "/v1/log/checkpoint", None),
+                                          ("inclusion", "/v1/log/proof", "index"),
+                                          ("consistency", "/v1/log/consistency", "from")):
+                    params = {param: rng.randrange(1, n)} if param else {}
+                    t = time.perf_counter()
+                    r = http.get(path, params=params)
+                    http_lat[name].append(time.perf_counter() - t)
+                    assert r.status_code == 200, r.text
+        hbase = pct(http_lat["checkpoint"], 50)
+        for name, label in (("checkpoint", "baseline: GET /v1/log/checkpoint (one SELECT)"),
+                            ("inclusion", "GET /v1/log/proof (inclusion)"),
+                            ("consistency", "GET /v1/log/consistency")):
+            rows.append([f"{label}, HTTP, 1 connection", f"{pct(http_lat[name], 50) * 1e3:.3f} ms",
+                         f"{pct(http_lat[name], 99) * 1e3:.3f} ms",
+                         f"x{pct(http_lat[name], 50) / hbase:.2f} of the checkpoint GET"])
+        if export:
+            rows += export_benchmark(engine, pg_url, Signer(
+                generate_private_key(), "ledger", "ledger-service"), Selection(), bundle_lines,
+                export_rounds)
+    return rows
+
+
+EXPORT_COPY = ("COPY (SELECT dsse FROM admin_events UNION ALL SELECT dsse FROM envelopes "
+               "UNION ALL SELECT dsse FROM verdicts UNION ALL SELECT dsse FROM dispute_events) "
+               "TO STDOUT")
+
+
+def export_benchmark(engine: Any, pg_url: str, signer: Any, selection: Any,
+                     bundle_lines: Any, rounds: int = 2) -> list[list[object]]:
+    """Whole-log ``ledger export`` (what the CLI does: every line written to a file)
+    against COPY of the same DSSE columns of every record table to a file, alternating,
+    best of ``rounds``."""
+    out = Path(tempfile.mkdtemp(prefix="ledger-exportbench-"))
+    best = {"copy": float("inf"), "copy binary": float("inf"), "export": float("inf")}
+    sizes: dict[str, int] = {}
+    records = 0
+    try:
+        for _ in range(rounds):
+            for mode in ("copy", "copy binary"):
+                path = out / f"{mode}.out"
+                t = time.perf_counter()
+                with psycopg.connect(pg_url) as conn, conn.cursor() as cur, \
+                        path.open("wb") as fh:
+                    sql = EXPORT_COPY + (" (FORMAT BINARY)" if mode == "copy binary" else "")
+                    with cur.copy(sql) as copy:
+                        for block in copy:
+                            fh.write(block)
+                best[mode] = min(best[mode], time.perf_counter() - t)
+                sizes[mode] = path.stat().st_size
+                path.unlink()
+                print(f"  {mode}: {best[mode]:.1f} s", flush=True)
+            path = out / "bundle.jsonl"
+            t = time.perf_counter()
+            with path.open("wb") as fh:
+                records = -1
+                for line in bundle_lines(engine, selection, signer):
+                    fh.write(line)
+                    records += 1
+            best["export"] = min(best["export"], time.perf_counter() - t)
+            sizes["export"] = path.stat().st_size
+            print(f"  export: {best['export']:.1f} s, {records:,} records", flush=True)
+            path.unlink()
+    finally:
+        for p in out.iterdir():
+            p.unlink()
+        out.rmdir()
+    rows: list[list[object]] = []
+    for mode, label in (("copy", "baseline: COPY of the DSSE columns to a file (text)"),
+                        ("copy binary", "baseline: the same COPY, binary format"),
+                        ("export", "whole-log export to a file (proofs verified)")):
+        rows.append([f"{label}, {records:,} records, {sizes[mode] / 1e6:,.0f} MB",
+                     f"{records / best[mode]:,.0f} records/s", f"{best[mode]:.1f} s",
+                     f"x{best['copy'] / best[mode]:.2f} of the text COPY, "
+                     f"x{best['copy binary'] / best[mode]:.2f} of the binary"])
+    return rows
+
+
 def sigs_label(label: str) -> bool:
     return "signatures" in label
 
@@ -426,7 +609,22 @@ def main() -> None:
                          "audit's log, against the full audit of the same log")
     ap.add_argument("--only-incremental", action="store_true",
                     help="run only the --audit-since comparison")
+    ap.add_argument("--only-proofs", action="store_true",
+                    help="run only the proof latency and export comparison, on the audit's "
+                         "log (--audit-db, --audit-entries)")
+    ap.add_argument("--http-samples", type=int, default=2000)
+    ap.add_argument("--export-rounds", type=int, default=2)
+    ap.add_argument("--no-export", action="store_true",
+                    help="with --only-proofs: skip the whole-log export")
     args = ap.parse_args()
+    if args.only_proofs:
+        if not args.audit_db:
+            sys.exit("--only-proofs needs --audit-db NAME (a log kept between runs)")
+        print(f"machine: {machine()}")
+        rows = proofs_benchmark(args.audit_entries, args.audit_db, args.samples,
+                                args.http_samples, not args.no_export, args.export_rounds)
+        print(table(["measurement", "p50 / rate", "p99 / time", "vs same-run baseline"], rows))
+        return
     if args.only_incremental:
         print(f"machine: {machine()}")
         rows = incremental_benchmark(args.audit_entries, args.audit_since or 10_000,

@@ -33,6 +33,7 @@ latency p95 (gaps between a request's consecutive tokens), prefix-cache hit shar
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -181,10 +182,15 @@ def start_vllm(model: str, variant: str, port: int, args: argparse.Namespace
     from workers.engine.vllm_adapter import VLLM_ENV
 
     env = os.environ.copy()
-    cmd = ["vllm", "serve", model, "--port", str(port), "--dtype", "bfloat16",
+    # the module, not a `vllm` script: on the GPU host vLLM is installed into a PYTHONPATH
+    cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model,
+           "--port", str(port), "--dtype", "bfloat16",
            "--max-model-len", str(args.prompt + args.new + 16), "--seed", "0",
            "--max-num-seqs", str(args.max_batch), "--skip-tokenizer-init",
            "--generation-config", "vllm"]
+    if importlib.util.find_spec("flashinfer") is None:
+        # vLLM 0.25's serve path imports FlashInfer for its sampler unless told not to
+        env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     if variant == "flag":
         env |= VLLM_ENV
     log(f"starting {' '.join(cmd)} ({variant})")

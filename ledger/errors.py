@@ -22,6 +22,16 @@ class Conflict(LedgerError):
         self.extra = extra
 
 
+class Gone(LedgerError):
+    """The record exists but its content was erased (``extra`` carries the tombstone)."""
+
+    code = "erased"
+
+    def __init__(self, message: str, *, code: str | None = None, **extra: Any) -> None:
+        super().__init__(message, code=code)
+        self.extra = extra
+
+
 class Unauthorized(LedgerError):
     code = "unauthorized"
 
@@ -42,3 +52,12 @@ class Unavailable(LedgerError):
 
 class BadRequest(LedgerError):
     code = "bad_request"
+
+
+class StoredTreeMismatch(LedgerError):
+    """What the database holds does not verify against the log's own signed checkpoint
+    (a stored tile, subtree hash or entry was changed): refuse to serve it. Not the
+    caller's fault, not retryable; ``ledger audit`` names what was changed."""
+
+    code = "log_integrity"
+

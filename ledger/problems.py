@@ -11,7 +11,16 @@ from ledger.core.errors import (
     ValidationFailed,
     VerificationError,
 )
-from ledger.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthorized, Unavailable
+from ledger.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    Gone,
+    NotFound,
+    StoredTreeMismatch,
+    Unauthorized,
+    Unavailable,
+)
 
 PROBLEM_TYPE_PREFIX = "urn:inference-ledger:problem:"
 # The charset is stated so that clients which guess encodings for non-`application/json`
@@ -19,10 +28,12 @@ PROBLEM_TYPE_PREFIX = "urn:inference-ledger:problem:"
 MEDIA_TYPE = "application/problem+json; charset=utf-8"
 
 _STATUS_BY_CLASS: tuple[tuple[type[LedgerError], int], ...] = (
+    (StoredTreeMismatch, 500),
     (Unavailable, 503),
     (NotFound, 404),
     (TileNotFoundError, 404),
     (Conflict, 409),
+    (Gone, 410),
     (Unauthorized, 401),
     (Forbidden, 403),
     (BadRequest, 400),
@@ -38,10 +49,12 @@ TITLES = {
     403: "Forbidden",
     404: "Not found",
     409: "Conflict",
+    410: "Gone",
     413: "Payload too large",
     422: "Unprocessable content",
     424: "Failed dependency",
     429: "Too many requests",
+    500: "Internal server error",
     503: "Service unavailable",
 }
 
@@ -71,6 +84,6 @@ def problem_for(exc: LedgerError) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     if isinstance(exc, ValidationFailed) and exc.errors:
         extra["errors"] = exc.errors
-    if isinstance(exc, Conflict):
+    if isinstance(exc, (Conflict, Gone)):
         extra.update(exc.extra)
     return problem(status_for(exc), exc.code, exc.message, **extra)

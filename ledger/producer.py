@@ -31,6 +31,7 @@ def build_statement(
     tier: str = "bitwise",
     tolerance: Mapping[str, Any] | None = None,
     recorded_at: datetime | None = None,
+    data_subject: str | None = None,
 ) -> dict[str, Any]:
     token_ids = list(output["token_ids"])
     predicate: dict[str, Any] = {
@@ -46,6 +47,8 @@ def build_statement(
     }
     if tolerance is not None:
         predicate["tolerance"] = dict(tolerance)
+    if data_subject is not None:
+        predicate["data_subject"] = data_subject
     return {
         "_type": STATEMENT_TYPE,
         "subject": [{"name": request_id, "digest": {"sha256": output_digest(token_ids)}}],

@@ -68,6 +68,28 @@ class Settings(BaseSettings):
         "worker with `--engine vllm` that share its GPU with other processes; only arguments "
         "that change memory, never numerics or batching: gpu_memory_utilization, "
         "kv_cache_memory_bytes, max_model_len.")
+    vendor_name: str | None = Field(
+        default=None, description="A vendor worker (`ledger worker --vendor`): the routing "
+        "name of the hosted API whose records it re-verifies (the capture's --vendor).")
+    vendor_base_url: str | None = Field(
+        default=None, description="A vendor worker: the vendor's API base URL, e.g. "
+        "https://api.example.com/v1; requests go to <base>/chat/completions or "
+        "<base>/completions. The worker's own setting: the URL in a record is not used.")
+    vendor_api_key_file: Path | None = Field(
+        default=None, description="A vendor worker: a file holding the vendor API key "
+        "(sent as a Bearer token). Held by the worker only, never stored in the database.")
+    vendor_timeout_s: float = Field(default=120.0, gt=0, le=3600,
+                                    description="A vendor worker: timeout per request.")
+    semantic_samples: int = Field(default=20, ge=1, le=1000,
+                                  description="Semantic verification: how many times a "
+                                  "recorded vendor request is re-sent.")
+    semantic_confidence: float = Field(default=0.95, gt=0, lt=1,
+                                       description="Semantic verification: confidence of "
+                                       "the Wilson intervals a verdict reports.")
+    semantic_min_pass_rate: float = Field(default=1.0, ge=0, le=1,
+                                          description="Semantic verification: a verdict is "
+                                          "reproduced when at least this share of samples "
+                                          "pass every assertion, else diverged.")
     worker_dead_after_s: float = Field(default=30.0, gt=0,
                                        description="No heartbeat for this long: not live.")
     replay_max_attempts: int = Field(default=3, ge=1, le=100,
@@ -89,6 +111,12 @@ class Settings(BaseSettings):
     integrate_interval_ms: int = Field(default=200, ge=1,
                                        description="Longest wait before pending entries "
                                        "are integrated.")
+    kek_file: Path | None = Field(
+        default=None, description="Key-encryption key (32 raw bytes or 64 hex characters; "
+        "`ledger keys generate-kek` writes one), kept outside the database. With it, "
+        "ingest stores envelope content encrypted under per-subject data keys that this "
+        "key wraps (docs/privacy.md), and every reader of sealed content (API, worker, "
+        "audit, export) needs it. Erasure destroys a subject's data keys.")
     trust_policy_file: Path | None = Field(
         default=None, description="Trust policy (TOML, see ledger.core.trust): the log, "
         "service and witness keys that audit, verify and workers believe. Kept outside the "
@@ -213,6 +241,13 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "worker_key_file": ("worker", "check worker"),
     "worker_heartbeat_s": ("worker",),
     "vllm_engine_args": ("worker --engine vllm",),
+    "vendor_name": ("worker --vendor",),
+    "vendor_base_url": ("worker --vendor",),
+    "vendor_api_key_file": ("worker --vendor",),
+    "vendor_timeout_s": ("worker --vendor",),
+    "semantic_samples": ("worker --vendor",),
+    "semantic_confidence": ("worker --vendor",),
+    "semantic_min_pass_rate": ("worker --vendor",),
     "worker_dead_after_s": ("serve", "beat"),
     "replay_max_attempts": ("serve", "beat"),
     "replay_visibility_timeout_s": ("serve", "beat", "worker"),
@@ -222,6 +257,7 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "integrate_in_api": ("serve", "check serve"),
     "integrate_max_entries": ("serve", "beat", "integrate"),
     "integrate_interval_ms": ("serve", "beat", "integrate"),
+    "kek_file": ("serve", "beat", "worker", "audit", "export", "check"),
     "trust_policy_file": ("worker", "audit", "verify", "check"),
     "witnesses": ("serve", "beat", "integrate"),
     "witness_timeout_s": ("serve", "beat", "integrate"),

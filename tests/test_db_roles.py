@@ -87,6 +87,19 @@ EXPECTED: list[tuple[str, str, str, bool]] = [
     ("worker", "api_keys", "SELECT", False),
     ("worker", "replay_jobs", "INSERT", False),
     ("worker", "audit_events", "SELECT", False),
+    # erasure (0015): only the API's admin path and beat's retention destroy data keys
+    # (a trigger lets them only with an erasure record); workers and auditors only read
+    ("api", "data_keys", "DELETE", True),
+    ("api", "erasures", "INSERT", True),
+    ("api", "erasures", "UPDATE (body)", False),
+    ("api", "erased_keys", "DELETE", False),
+    ("beat", "data_keys", "DELETE", True),
+    ("beat", "data_keys", "INSERT", False),
+    ("worker", "data_keys", "SELECT", True),
+    ("worker", "data_keys", "DELETE", False),
+    ("worker", "erasures", "INSERT", False),
+    ("auditor", "data_keys", "DELETE", False),
+    ("auditor", "erasures", "SELECT", True),
     # auditors read, and only read
     ("auditor", "envelopes", "SELECT", True),
     ("auditor", "checkpoints", "SELECT", True),

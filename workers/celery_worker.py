@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ledger.core.fingerprint import replay_queue
 from ledger.db.session import make_engine, session_scope
@@ -18,6 +18,9 @@ from ledger.replay.broker import TASK_REPLAY, make_celery
 from ledger.replay.records import Signer
 from ledger.settings import Settings
 from workers.replay import ReplayWorker
+
+if TYPE_CHECKING:
+    from workers.semantic import VendorReplayWorker
 
 log = logging.getLogger("ledger.worker")
 
@@ -38,13 +41,36 @@ def build_worker(settings: Settings, *, models: list[str], engine_name: str, dev
                           insecure_dev=insecure_dev, threads=threads,
                           hashing_progress=hashing_progress)
     if register_key:
-        # a registry leaf when the service key is at hand (otherwise `ledger audit`
-        # reports the row, and bundles verified with a policy do not believe the key)
-        service = Signer.from_file(settings.service_key_file, "ledger", "ledger-service")
-        with session_scope(db) as session:
-            if service is not None:
-                service.ensure_registered(session)
-            signer.ensure_registered(session, service)
+        _register(settings, db, signer)
+    return worker
+
+
+def _register(settings: Settings, db: Any, signer: Signer) -> None:
+    # a registry leaf when the service key is at hand (otherwise `ledger audit`
+    # reports the row, and bundles verified with a policy do not believe the key)
+    service = Signer.from_file(settings.service_key_file, "ledger", "ledger-service")
+    with session_scope(db) as session:
+        if service is not None:
+            service.ensure_registered(session)
+        signer.ensure_registered(session, service)
+
+
+def build_vendor_worker(settings: Settings, *, key_file: Path | None,
+                        register_key: bool = False,
+                        insecure_dev: bool = False) -> VendorReplayWorker:
+    """A vendor worker (:mod:`workers.semantic`): no models, its vendor's key."""
+    from workers.replay import worker_trust
+    from workers.semantic import VendorReplayWorker
+
+    trust = worker_trust(settings, insecure_dev=insecure_dev)
+    signer = Signer.from_file(key_file or settings.worker_key_file, "worker", "vendor-worker")
+    if signer is None:
+        raise SystemExit("a worker needs its signing key: --key FILE or LEDGER_WORKER_KEY_FILE")
+    db = make_engine(settings, pool_size=3)
+    worker = VendorReplayWorker(settings, db, signer=signer, trust=trust,
+                                insecure_dev=insecure_dev)
+    if register_key:
+        _register(settings, db, signer)
     return worker
 
 

@@ -41,12 +41,13 @@ from ledger import __version__
 from ledger.artifacts import model_sha256
 from ledger.core import dsse
 from ledger.core.compare import Side, compare
-from ledger.core.envelope import Limits, index_fields, parse_statement
+from ledger.core.envelope import EnvelopeStatement, Limits, index_fields, parse_statement
 from ledger.core.errors import KeyError_, LedgerError
 from ledger.core.fingerprint import fingerprint_id as compute_fingerprint_id
 from ledger.core.logentry import verify_record_included
 from ledger.core.note import NoteVerifier, open_checkpoint
 from ledger.core.registry import RegisteredKey
+from ledger.core.sealing import KeyEncryptionKey
 from ledger.core.states import DISPUTE_DECIDED, DisputeState, JobState
 from ledger.core.trust import TrustPolicy, load_trust_policy
 from ledger.db.models import (
@@ -57,10 +58,11 @@ from ledger.db.models import (
     SigningKey,
     Worker,
 )
-from ledger.db.session import session_scope
+from ledger.db.session import raw_cursor, session_scope
 from ledger.log import proofs
 from ledger.log.registry import registry_from_leaves
 from ledger.log.signer import log_verifiers, trusted_log_verifiers
+from ledger.privacy.keys import ErasedContent, Opener, kek_from_settings
 from ledger.replay import disputes
 from ledger.replay import jobs as job_service
 from ledger.replay.records import Signer
@@ -119,6 +121,7 @@ class Prepared:
     tier: str = "bitwise"
     tolerance: float | None = None
     checkpoint: dict[str, Any] = field(default_factory=dict)
+    statement: Any = None       # the parsed signed statement (the vendor worker reads it)
 
 
 def hold_models(models: Sequence[str | Path],
@@ -390,7 +393,8 @@ class ReplayWorker:
         prep = Prepared(item)
         try:
             with session_scope(self.db) as session:
-                envelope = self._signed_envelope(session, item, producers)
+                envelope = self._signed_envelope(session, item, producers,
+                                                 kek_from_settings(self.settings))
                 prep.checkpoint = self._check_in_log(session, item, envelope)
             self._read_request(prep, envelope, foreign_ok=foreign_ok)
         except Unverifiable as exc:
@@ -406,12 +410,22 @@ class ReplayWorker:
 
     @staticmethod
     def _signed_envelope(session: Any, item: ReplayJobItem,
-                         producers: dict[str, RegisteredKey]) -> dsse.Envelope:
-        """The stored envelope, its signature checked against a producer key this worker
-        believes (valid at the envelope's log index)."""
+                         producers: dict[str, RegisteredKey],
+                         kek: KeyEncryptionKey | None = None) -> dsse.Envelope:
+        """The stored envelope (opened with the KEK where it is encrypted at rest), its
+        signature checked against a producer key this worker believes (valid at the
+        envelope's log index). An erased envelope ends ``unverifiable: erased``."""
         env = session.get(Envelope, item.envelope_index)
         if env is None:
             raise Unverifiable("the envelope record is missing")
+        try:
+            with raw_cursor(session) as cur:
+                dsse_bytes = Opener(cur, kek).open(bytes(env.dsse), bytes(env.dsse_sha256),
+                                                   item.envelope_index)
+        except ErasedContent as erased:
+            raise Unverifiable(erased.reason) from None
+        except LedgerError as exc:
+            raise Unverifiable(f"encrypted at rest: {exc.message}") from exc
 
         def producer_key(kid: str) -> bytes:
             key = producers.get(kid)
@@ -424,7 +438,7 @@ class ReplayWorker:
             return key.public_key
 
         try:
-            envelope = dsse.envelope_from_json(bytes(env.dsse))
+            envelope = dsse.envelope_from_json(dsse_bytes)
             dsse.verify_envelope(envelope, producer_key)
         except LedgerError as exc:
             raise Unverifiable(f"bad signature: {exc.message}") from exc
@@ -466,6 +480,9 @@ class ReplayWorker:
             statement = parse_statement(envelope.payload, READ_LIMITS)
         except LedgerError as exc:
             raise Unverifiable(f"the envelope does not parse: {exc.message}") from exc
+        if not isinstance(statement, EnvelopeStatement):
+            raise Unverifiable("a vendor record (tier semantic): only a vendor worker "
+                               "(`ledger worker --vendor`) re-verifies it")
         p = statement.predicate
         recorded_fp = index_fields(statement).fingerprint_id
         if not foreign_ok and recorded_fp != self.fingerprint_id:

@@ -33,7 +33,7 @@ from ledger import __version__, console, metrics
 from ledger.api import schemas as api_schemas
 from ledger.api.deps import UnknownQueryParameters, reject_unknown_query
 from ledger.api.links import add_links
-from ledger.api.routes import envelopes, health, keys
+from ledger.api.routes import envelopes, health, keys, privacy
 from ledger.api.routes import log as log_routes
 from ledger.api.routes import replay as replay_routes
 from ledger.api.schemas import Problem
@@ -46,13 +46,14 @@ from ledger.log.sink import sink_from_settings
 from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
 from ledger.replay.broker import CeleryPublisher, Publisher
 from ledger.replay.records import Signer
+from ledger.services.ingest import GroupCommit
 from ledger.settings import Settings, get_settings
 
 log = logging.getLogger("ledger.api")
 
 #: Every router of the API, in inclusion order (the role-matrix test walks these).
 ROUTERS = [envelopes.router, log_routes.router, replay_routes.router, keys.router,
-           health.router]
+           privacy.router, health.router]
 
 
 def _problem_response(body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
@@ -289,6 +290,7 @@ def _lifespan(settings: Settings, engine: Engine
                 app.state.integrator.stop()
             if app.state.metrics_listener is not None:
                 app.state.metrics_listener.stop()
+            app.state.group_commit.close()
 
     return lifespan
 
@@ -428,6 +430,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessionmaker = session_factory(engine)
+    # ingest's storing step, on a connection of its own (ledger.services.ingest.GroupCommit)
+    app.state.group_commit = GroupCommit(make_engine(
+        settings, url=engine.url.render_as_string(hide_password=False), pool_size=1),
+        settings)
     app.state.service_signer = Signer.from_file(settings.service_key_file, "ledger",
                                                 "ledger-service")
     app.state.publisher = publisher if publisher is not None else CeleryPublisher(

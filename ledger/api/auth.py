@@ -40,6 +40,7 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "policies:write": frozenset({"admin"}),
     "workers:read": frozenset({"reviewer", "auditor", "worker", "admin"}),
     "workers:write": frozenset({"worker"}),
+    "privacy:admin": frozenset({"admin"}),  # erasure, retention policies
 }
 
 _bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer lk_...`")

@@ -196,6 +196,10 @@ class DisputeIn(BaseModel):
     request_id: RequestIdField
     reason: str = Field(min_length=1, max_length=4000, pattern=SAFE_TEXT)
     priority: Priority = Priority.NORMAL
+    assertions: dict[str, Any] | None = Field(
+        default=None, description="vendor records only: an assertion set (docs/semantic.md) "
+        "the semantic verification checks instead of the record's own; signed into the "
+        "dispute's opened event")
 
 
 class CommentIn(BaseModel):
@@ -402,3 +406,12 @@ class RunReportOut(RunOut):
     tiers: dict[str, int]
     drift: list[dict[str, Any]]
     diverged: list[dict[str, Any]]
+    semantic: list[dict[str, Any]] = Field(
+        default_factory=list, description="vendor records: pass rates pooled per (vendor "
+        "fingerprint, model alias) with Wilson intervals (docs/semantic.md)")
+
+
+class SemanticPassRatesOut(BaseModel):
+    """Pass rates of semantic verdicts per (vendor fingerprint, model alias, time bucket)."""
+
+    items: list[dict[str, Any]]

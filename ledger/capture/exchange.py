@@ -136,6 +136,7 @@ class Plan:
     requested_max_tokens: int | None = None
     top_k: int = 0                              # alternatives the caller asked for
     top_ids: bool = False                       # ... named by token id (recordable)
+    data_subject: str | None = None             # from the X-Ledger-Data-Subject header
 
     @property
     def recordable(self) -> bool:
@@ -154,6 +155,7 @@ class Captured:
     logprobs: list[float] | None
     top_logprobs: list[list[tuple[int, float]]] | None
     stop_string: bool = False                   # ended by a text stop string
+    data_subject: str | None = None             # X-Ledger-Data-Subject (docs/privacy.md)
 
     def output(self) -> dict[str, Any]:
         out: dict[str, Any] = {"token_ids": self.token_ids, "finish_reason": self.finish_reason,
@@ -423,7 +425,7 @@ class _Sequence:
         return Captured(request_id=request_id, prompt_token_ids=list(self.prompt_token_ids),
                         token_ids=list(self.token_ids), finish_reason=finish,
                         sampling=sampling, logprobs=logprobs, top_logprobs=top,
-                        stop_string=stop_string)
+                        stop_string=stop_string, data_subject=plan.data_subject)
 
 
 def _choice_request_id(response_id: Any, index: int, choices: int) -> str | None:

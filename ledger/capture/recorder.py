@@ -28,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,9 +40,11 @@ from ledger.capture.config import CaptureConfig, load_key
 from ledger.capture.exchange import Captured
 from ledger.capture.shipper import Shipper
 from ledger.capture.spool import Spool, SpoolFull
+from ledger.capture.vendor import DEFAULT_PINNED_HEADERS, VendorCaptured, VendorConfig
 from ledger.core.canonical import canonical_json
 from ledger.core.envelope import validate_statement
 from ledger.core.errors import ValidationFailed
+from ledger.core.vendor import build_vendor_statement, validate_vendor_statement
 from ledger.producer import build_statement, envelope_to_json, sign_statement
 
 log = logging.getLogger("ledger.capture")
@@ -51,7 +54,7 @@ WHEN_FULL = ("fail", "drop")
 
 @dataclass
 class _Item:
-    captured: Captured
+    captured: Captured | VendorCaptured
     recorded_at: datetime
 
 
@@ -59,15 +62,21 @@ class Recorder:
     """Sign, spool and ship envelopes for captured inferences (thread-safe)."""
 
     def __init__(
-        self, config: CaptureConfig, key: Ed25519PrivateKey, *, spool_dir: str | Path,
+        self, config: CaptureConfig | VendorConfig, key: Ed25519PrivateKey, *,
+        spool_dir: str | Path,
         ledger_url: str | None, api_key: str | None = None, max_bytes: int = 1 << 30,
         when_full: str = "fail", ship: bool = True, batch_size: int = 100,
         min_backoff: float = 0.25, max_backoff: float = 30.0, http_timeout: float = 30.0,
+        data_subject: Callable[[Captured], str | None] | None = None,
     ) -> None:
+        """``data_subject``: a callback naming the pseudonymous data subject of a capture
+        (used where the request carried no ``X-Ledger-Data-Subject`` header); the ledger
+        encrypts the envelope under that subject's keys (docs/privacy.md)."""
         if when_full not in WHEN_FULL:
             raise ValueError(f"when_full must be one of {WHEN_FULL}")
         self.config = config
         self.key = key
+        self.data_subject = data_subject
         self.when_full = when_full
         self.spool = Spool(spool_dir, max_bytes=max_bytes)
         self._channel, self._tier = config.effective_channel, config.effective_tier
@@ -103,6 +112,17 @@ class Recorder:
                                           channel=channel, tier=tier)
         return cls(config, load_key(key), **kw)
 
+    @classmethod
+    def for_vendor(cls, *, key: str | Path | Ed25519PrivateKey, name: str, base_url: str,
+                   assertions: dict[str, Any] | None = None,
+                   pinned_headers: tuple[str, ...] | None = None, **kw: Any) -> Recorder:
+        """A recorder of a hosted vendor API's calls (the vendor channel, tier semantic:
+        :mod:`ledger.capture.vendor`)."""
+        config = VendorConfig(name=name, base_url=base_url, assertions=assertions,
+                              pinned_headers=pinned_headers or DEFAULT_PINNED_HEADERS)
+        private = key if isinstance(key, Ed25519PrivateKey) else load_key(key)
+        return cls(config, private, **kw)
+
     # ------------------------------------------------------------------ caller side
     def admit(self) -> None:
         """Raise :class:`SpoolFull` if a new request must not be served (policy "fail")."""
@@ -111,7 +131,8 @@ class Recorder:
                             f"(limit {self.spool.max_bytes}); refusing new requests until "
                             "the ledger takes them")
 
-    def record(self, captured: Captured, *, recorded_at: datetime | None = None) -> None:
+    def record(self, captured: Captured | VendorCaptured, *,
+               recorded_at: datetime | None = None) -> None:
         """Queue one captured sequence for signing, spooling and shipping; returns at once."""
         if self._closed:
             raise RuntimeError("the recorder is closed")
@@ -183,15 +204,33 @@ class Recorder:
         self.close()
 
     # ------------------------------------------------------------------ writer thread
-    def _envelope(self, item: _Item) -> tuple[str, bytes] | None:
+    def _statement(self, item: _Item) -> dict[str, Any]:
         c = item.captured
-        statement = build_statement(
+        if isinstance(c, VendorCaptured):
+            assert isinstance(self.config, VendorConfig)
+            return build_vendor_statement(
+                request_id=c.request_id, recorded_at=item.recorded_at.isoformat(),
+                name=self.config.name, base_url=self.config.base_url, endpoint=c.endpoint,
+                request=c.request, response=c.response, response_body=c.response_body,
+                headers=c.headers, assertions=self.config.assertions)
+        assert isinstance(self.config, CaptureConfig)
+        subject = c.data_subject
+        if subject is None and self.data_subject is not None:
+            subject = self.data_subject(c)
+        return build_statement(
             request_id=c.request_id, artifacts=self.config.artifacts,
             prompt_token_ids=c.prompt_token_ids, sampling=c.sampling,
             runtime=self.config.runtime, output=c.output(), channel=self._channel,
-            tier=self._tier, recorded_at=item.recorded_at)
+            tier=self._tier, recorded_at=item.recorded_at, data_subject=subject)
+
+    def _envelope(self, item: _Item) -> tuple[str, bytes] | None:
+        c = item.captured
+        statement = self._statement(item)
         try:
-            validate_statement(statement)
+            if isinstance(c, VendorCaptured):
+                validate_vendor_statement(statement)
+            else:
+                validate_statement(statement)
         except ValidationFailed as exc:
             self._counts["invalid"] += 1
             log.error("envelope %s is invalid, quarantined locally: %s", c.request_id, exc)

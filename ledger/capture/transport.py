@@ -33,8 +33,12 @@ from ledger.capture.exchange import (
     prepare,
 )
 from ledger.capture.recorder import Recorder
+from ledger.capture.vendor import VendorConfig, capture_vendor, plan_vendor
 
-_DROP_REQUEST_HEADERS = ("content-length", "transfer-encoding")
+#: The request header naming the data subject (a pseudonym, docs/privacy.md): recorded
+#: in the envelope, never sent upstream.
+DATA_SUBJECT_HEADER = "x-ledger-data-subject"
+_DROP_REQUEST_HEADERS = ("content-length", "transfer-encoding", DATA_SUBJECT_HEADER)
 
 
 class UnrecordableRequest(ValueError):
@@ -60,6 +64,36 @@ class _Capture:
         self.recorder = recorder
         self.defaults = defaults or recorder.config.sampling_defaults
         self.strict = strict
+        self.vendor = recorder.config if isinstance(recorder.config, VendorConfig) else None
+
+    # the vendor channel: the request and the answer pass unchanged (ledger.capture.vendor)
+    def vendor_plan(self, request: httpx.Request, body: bytes
+                    ) -> tuple[httpx.Request, tuple[str, dict[str, Any]] | None]:
+        """The request to send (the same body; only ``accept-encoding: identity``, so the
+        answer can be read) and the call to record, if any."""
+        planned = plan_vendor(request.method, request.url.path, body)
+        if planned is None:
+            return request, None
+        if isinstance(planned, str):
+            if self.strict:
+                raise UnrecordableRequest(planned)
+            self.recorder.note_unrecordable(planned)
+            return request, None
+        self.recorder.admit()
+        headers = [(k, v) for k, v in request.headers.multi_items()
+                   if k.lower() not in _DROP_REQUEST_HEADERS and k.lower() != "accept-encoding"]
+        headers.append(("accept-encoding", "identity"))
+        return httpx.Request(request.method, request.url, headers=headers, content=body,
+                             extensions=request.extensions), planned
+
+    def vendor_finish(self, planned: tuple[str, dict[str, Any]], response: httpx.Response,
+                      body: bytes) -> None:
+        assert self.vendor is not None
+        captured = capture_vendor(self.vendor, planned[0], planned[1], response, body)
+        if isinstance(captured, str):
+            self.recorder.note_not_captured(captured)
+        else:
+            self.recorder.record(captured)
 
     def plan(self, request: httpx.Request, body: bytes) -> tuple[httpx.Request, Plan] | None:
         kind = capture_kind(request.method, request.url.path)
@@ -73,6 +107,7 @@ class _Capture:
             self.recorder.note_unrecordable(reason)
             return None
         self.recorder.admit()
+        plan.data_subject = request.headers.get(DATA_SUBJECT_HEADER) or None
         headers = [(k, v) for k, v in request.headers.multi_items()
                    if k.lower() not in _DROP_REQUEST_HEADERS and k.lower() != "accept-encoding"]
         headers.append(("accept-encoding", "identity"))
@@ -181,6 +216,8 @@ class RecordingTransport(httpx.BaseTransport):
         self.capture = _Capture(recorder, defaults, strict)
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if self.capture.vendor is not None:
+            return self._vendor_request(request)
         planned = self.capture.plan(request, request.read())
         if planned is None:
             return self.inner.handle_request(request)
@@ -193,6 +230,16 @@ class RecordingTransport(httpx.BaseTransport):
         body = response.read()
         response.close()
         return _replaced(response, self.capture.finish_body(plan, response, body))
+
+    def _vendor_request(self, request: httpx.Request) -> httpx.Response:
+        request, vendor_call = self.capture.vendor_plan(request, request.read())
+        response = self.inner.handle_request(request)
+        if vendor_call is None or response.status_code != 200:
+            return response
+        body = response.read()
+        response.close()
+        self.capture.vendor_finish(vendor_call, response, body)
+        return _replaced(response, body)
 
     def close(self) -> None:
         self.inner.close()
@@ -207,6 +254,8 @@ class AsyncRecordingTransport(httpx.AsyncBaseTransport):
         self.capture = _Capture(recorder, defaults, strict)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self.capture.vendor is not None:
+            return await self._vendor_request(request)
         planned = self.capture.plan(request, await request.aread())
         if planned is None:
             return await self.inner.handle_async_request(request)
@@ -220,6 +269,16 @@ class AsyncRecordingTransport(httpx.AsyncBaseTransport):
         body = await response.aread()
         await response.aclose()
         return _replaced(response, self.capture.finish_body(plan, response, body))
+
+    async def _vendor_request(self, request: httpx.Request) -> httpx.Response:
+        request, vendor_call = self.capture.vendor_plan(request, await request.aread())
+        response = await self.inner.handle_async_request(request)
+        if vendor_call is None or response.status_code != 200:
+            return response
+        body = await response.aread()
+        await response.aclose()
+        self.capture.vendor_finish(vendor_call, response, body)
+        return _replaced(response, body)
 
     async def aclose(self) -> None:
         await self.inner.aclose()

@@ -167,6 +167,23 @@ def keys_generate(
                          "public_key": base64.b64encode(raw).decode()})
 
 
+@keys_app.command("generate-kek")
+def keys_generate_kek(
+    out_path: Annotated[Path, typer.Option("--out", help="KEK file (64 hex characters, "
+                                           "mode 0600).")],
+    force: bool = typer.Option(False, help="Overwrite an existing file."),
+) -> None:
+    """Make a key-encryption key for encryption at rest (LEDGER_KEK_FILE, docs/privacy.md):
+    keep it outside the database; losing it makes every encrypted envelope unreadable."""
+    import os
+
+    from ledger.core.sealing import LocalKek
+
+    raw = os.urandom(32)
+    write_private_file(out_path, raw.hex().encode() + b"\n", force=force)
+    console.print(f"key-encryption key: {out_path} (0600), id {LocalKek(raw).kek_id}")
+
+
 def _public_from_file(path: Path) -> bytes:
     data = path.read_bytes()
     if b"PRIVATE KEY" in data:

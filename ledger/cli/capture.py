@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -55,6 +55,13 @@ def proxy_command(
     channel: Optional[str] = typer.Option(  # noqa: UP045
         None, help="deterministic | performance (default: from runtime.batch_invariant)."),
     tier: Optional[str] = typer.Option(None, help="bitwise | token."),  # noqa: UP045
+    vendor: Optional[str] = typer.Option(  # noqa: UP045
+        None, "--vendor", help="The upstream is a hosted vendor API with this routing name: "
+        "record vendor envelopes (v2, tier semantic), nothing asked of it that the client "
+        "did not ask; --fingerprint and --artifacts are not used."),
+    assertions: Optional[Path] = typer.Option(  # noqa: UP045
+        None, "--assertions", help="With --vendor: an assertion set (JSON, "
+        "docs/semantic.md) signed into every envelope for semantic verification."),
     strict: bool = typer.Option(False, help="Refuse (400) requests no envelope can "
                                             "describe instead of forwarding them unrecorded."),
     no_record: bool = typer.Option(False, "--no-record",
@@ -74,19 +81,37 @@ def proxy_command(
     settings = get_settings()
     recorder = None
     if not no_record:
-        if key is None or fingerprint is None or artifacts is None:
-            raise _fail("--key, --fingerprint and --artifacts are required "
-                        "(or --no-record)")
-        try:
-            recorder = Recorder.from_files(
-                key=key, artifacts=artifacts, fingerprint=fingerprint,
-                sampling_defaults=sampling_defaults, channel=channel, tier=tier,
-                spool_dir=spool or settings.data_dir / "spool",
-                ledger_url=ledger_url or settings.api_url,
-                api_key=settings.api_key.get_secret_value() if settings.api_key else None,
-                max_bytes=spool_max_bytes, when_full=when_full, max_backoff=max_backoff)
-        except (CaptureConfigError, ValueError) as exc:
-            raise _fail(str(exc)) from exc
+        common: dict[str, Any] = {"spool_dir": spool or settings.data_dir / "spool",
+                  "ledger_url": ledger_url or settings.api_url,
+                  "api_key": settings.api_key.get_secret_value() if settings.api_key else None,
+                  "max_bytes": spool_max_bytes, "when_full": when_full,
+                  "max_backoff": max_backoff}
+        if vendor is not None:
+            if key is None:
+                raise _fail("--key is required (or --no-record)")
+            if channel is not None or tier is not None:
+                raise _fail("--channel and --tier do not apply to a vendor (its records "
+                            "are channel vendor, tier semantic)")
+            try:
+                assertion_set = None if assertions is None else json.loads(
+                    assertions.read_text("utf-8"))
+                recorder = Recorder.for_vendor(key=key, name=vendor, base_url=upstream,
+                                               assertions=assertion_set, **common)
+            except (CaptureConfigError, OSError, ValueError) as exc:
+                raise _fail(str(exc)) from exc
+        else:
+            if key is None or fingerprint is None or artifacts is None:
+                raise _fail("--key, --fingerprint and --artifacts are required "
+                            "(or --vendor NAME, or --no-record)")
+            if assertions is not None:
+                raise _fail("--assertions needs --vendor")
+            try:
+                recorder = Recorder.from_files(
+                    key=key, artifacts=artifacts, fingerprint=fingerprint,
+                    sampling_defaults=sampling_defaults, channel=channel, tier=tier,
+                    **common)
+            except (CaptureConfigError, ValueError) as exc:
+                raise _fail(str(exc)) from exc
         console.print(f"recording to {recorder.spool.directory} -> "
                       f"{ledger_url or settings.api_url} "
                       f"(fingerprint {recorder.config.fingerprint_id}, "

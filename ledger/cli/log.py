@@ -126,12 +126,18 @@ def audit_command(
         except OSError as exc:
             raise fail(f"cannot read --since {since}: {exc.strerror}",
                        "pass a checkpoint note file") from None
+    from ledger.privacy.keys import kek_from_settings
+
+    try:
+        kek = kek_from_settings(settings)
+    except (OSError, ValueError) as exc:
+        raise fail(f"cannot read the KEK: {exc}", "check LEDGER_KEK_FILE") from None
     engine = make_engine(settings, pool_size=1)
     try:
         with _progress() as bar:
             task = bar.add_task("auditing entries", total=None)
             report = audit(engine, settings.log_name, against=saved, signatures=signatures,
-                           trust=policy, witnessed=witnessed, since=since_note,
+                           trust=policy, witnessed=witnessed, since=since_note, kek=kek,
                            progress=lambda done, total: bar.update(task, completed=done,
                                                                     total=total))
     except SinceCheckpointError as exc:
@@ -150,6 +156,10 @@ def audit_command(
     for kind, count in sorted(report.records_checked.items()):
         table.add_row(f"{kind} records checked", f"{count:,}")
     table.add_row("disputes checked against their trails", f"{report.disputes_checked:,}")
+    if report.sealed_records:
+        table.add_row("envelopes encrypted at rest", f"{report.sealed_records:,}")
+        table.add_row("erased envelopes (checked against tombstones)",
+                      f"{report.erased_records:,}")
     table.add_row("checkpoints checked", f"{report.checkpoints:,}")
     table.add_row("saved checkpoints checked", f"{report.saved_checkpoints:,}")
     table.add_row("trust roots", f"trust policy {trust_file}" if policy is not None

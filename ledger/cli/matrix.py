@@ -55,14 +55,18 @@ def load_records(envelopes: list[tuple[str, bytes]], *, model_sha256: str, dtype
     """Records of this model and dtype (a random sample of ``sample``); and how many
     stored records did not match."""
     from ledger.core import dsse
-    from ledger.core.envelope import parse_statement
+    from ledger.core.envelope import EnvelopeStatement, parse_statement
     from workers.engine.api import SamplingParams
     from workers.engine.matrix import Record
 
     records, skipped = [], 0
     for request_id, raw in envelopes:
         env = dsse.envelope_from_obj(json.loads(raw))
-        p = parse_statement(env.payload).predicate
+        statement = parse_statement(env.payload)
+        if not isinstance(statement, EnvelopeStatement):   # a vendor record: no tokens
+            skipped += 1
+            continue
+        p = statement.predicate
         runtime = p.runtime.model_dump() if hasattr(p.runtime, "model_dump") else dict(p.runtime)
         if p.artifacts.model_sha256 != model_sha256 or runtime.get("dtype") != dtype:
             skipped += 1

@@ -14,9 +14,13 @@ from ledger.cli.common import DatabaseUrlOption, console, settings_with
 
 
 def worker_command(
-    models: Annotated[list[str], typer.Option(
+    models: Annotated[Optional[list[str]], typer.Option(  # noqa: UP045 - typer
         "--models", help="A directory of model directories, a model directory, or tiny-demo "
-                         "(repeatable).")],
+                         "(repeatable); required unless --vendor.")] = None,
+    vendor: bool = typer.Option(
+        False, "--vendor", help="A vendor worker: re-verify vendor records (tier semantic) "
+        "of LEDGER_VENDOR_NAME at LEDGER_VENDOR_BASE_URL with the key in "
+        "LEDGER_VENDOR_API_KEY_FILE; no models, no engine (docs/semantic.md)."),
     engine: str = typer.Option("reference", help="reference | vllm"),
     device: str = typer.Option("cpu", help="cpu | cuda"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16 | float16"),
@@ -39,6 +43,12 @@ def worker_command(
     """Replay worker: computes its fingerprint, hashes its models, self-checks batch
     invariance, then consumes only replay.<fingerprint_id>. Refuses to start as a database
     superuser or the schema owner, or without a worker key."""
+    if vendor and models:
+        raise typer.BadParameter("--models does not apply to a vendor worker",
+                                 param_hint="--models")
+    if not vendor and not models:
+        raise typer.BadParameter("give at least one --models (or --vendor)",
+                                 param_hint="--models")
     loglevel = (old_loglevel or log_level).upper()  # --loglevel: the old spelling
     logging.basicConfig(level=loglevel, format="%(asctime)s %(name)s %(message)s")
     from ledger.core.errors import LedgerError
@@ -53,6 +63,9 @@ def worker_command(
         enforce(settings, check_engine, "worker", worker_key=key, register_key=register_key)
     finally:
         check_engine.dispose()
+    if vendor:
+        _vendor_worker(settings, key, register_key, insecure_dev, loglevel)
+        return
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -74,8 +87,8 @@ def worker_command(
 
     try:
         with bars:
-            worker = build_worker(settings, models=models, engine_name=engine, device=device,
-                                  dtype=dtype, max_batch=max_batch, key_file=key,
+            worker = build_worker(settings, models=list(models or []), engine_name=engine,
+                                  device=device, dtype=dtype, max_batch=max_batch, key_file=key,
                                   threads=threads, register_key=register_key,
                                   insecure_dev=insecure_dev, hashing_progress=hashing)
     except NoTrustPolicy as exc:
@@ -95,6 +108,27 @@ def worker_command(
         console.print(f"[red]batch-invariance self-check failed, not consuming: {exc}[/red]")
         raise typer.Exit(3) from None
     console.print("batch-invariance self-check passed")
+    serve(worker, settings, loglevel=loglevel)
+
+
+def _vendor_worker(settings: Any, key: Path | None, register_key: bool, insecure_dev: bool,
+                   loglevel: str) -> None:
+    from ledger.core.errors import LedgerError
+    from workers.celery_worker import build_vendor_worker, serve
+    from workers.replay import NoTrustPolicy
+    from workers.semantic import VendorWorkerConfigError
+
+    try:
+        worker = build_vendor_worker(settings, key_file=key, register_key=register_key,
+                                     insecure_dev=insecure_dev)
+    except (NoTrustPolicy, VendorWorkerConfigError) as exc:
+        typer.echo(str(exc), err=True)
+        raise typer.Exit(2) from None
+    except LedgerError as exc:
+        console.print(f"[red]{exc.message}[/red]")
+        raise typer.Exit(2) from None
+    console.print(f"vendor worker {worker.worker_id} for {worker.vendor} at {worker.base_url}")
+    console.print(f"fingerprint {worker.fingerprint_id}")
     serve(worker, settings, loglevel=loglevel)
 
 

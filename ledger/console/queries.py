@@ -203,7 +203,14 @@ def request_view(session: Session, settings: Settings, request_id: str) -> Reque
         Envelope.request_id == request_id)).first()
     if row is None:
         raise NotFound(f"no envelope with request_id {request_id!r}")
-    dsse_bytes = bytes(row.dsse)
+    from ledger.privacy.keys import kek_from_settings
+    from ledger.services.envelopes import open_stored
+
+    # sealed content opened with the KEK; an erased envelope is a 410 with its tombstone
+    dsse_bytes = open_stored(session, bytes(row.dsse), {
+        "dsse_sha256": bytes(row.dsse_sha256).hex(), "log_index": row.log_index,
+        "request_id": row.request_id, "ingested_at": row.ingested_at},
+        kek_from_settings(settings))
     digest = hashlib.sha256(dsse_bytes).hexdigest()
     columns = {**{k: v for k, v in row._mapping.items() if k not in (
         "dsse", "log_index", "ingested_at")}, "dsse_sha256": bytes(row.dsse_sha256).hex()}

@@ -46,23 +46,35 @@ import orjson
 
 from ledger.core import dsse, jsonstrict
 from ledger.core.envelope import STATEMENT_TYPE
+from ledger.core.erasure import Tombstone, erasure_predicate, erasure_record
 from ledger.core.errors import LedgerError, VerificationError
 from ledger.core.keys import key_id
-from ledger.core.logentry import verify_record_included
+from ledger.core.logentry import dsse_digest, log_entry_bytes
+from ledger.core.merkle import HASH_SIZE, NODE_PREFIX, leaf_hash, verify_inclusion
 from ledger.core.note import Checkpoint, NoteVerifier, open_checkpoint, parse_verifier_key
 from ledger.core.registry import RegisteredKey, Registry, RegistryError, open_admin_event
 from ledger.core.statements import BUNDLE_PREDICATE_TYPE
 from ledger.core.trust import TrustPolicy
+
+_sha256 = hashlib.sha256
 
 FORMAT = "inference-ledger-bundle/v2"
 #: Which key purposes may sign each record kind. Dispute events are signed by whoever
 #: caused them: the ledger (reviewer actions, routing) or a worker (replaying, verdict).
 #: Admin events are checked against the service keys (the policy's, or the manifest's).
 PURPOSES_BY_KIND = {"envelope": {"producer"}, "verdict": {"worker"},
-                    "dispute_event": {"ledger", "worker"}, "admin_event": {"ledger"}}
+                    "dispute_event": {"ledger", "worker"}, "admin_event": {"ledger"},
+                    "erasure": {"ledger"}}
+#: Kinds verified in order before every other record, in this process: the key registry
+#: (admin events) and the erasure leaves, whose tombstones the erased envelopes need.
+FIRST_KINDS = frozenset({"admin_event", "erasure"})
 PREDICATE_FIELDS = frozenset({"format", "origin", "checkpoint", "log_keys", "service_keys",
                               "keys", "selection", "created_at", "records"})
 RECORD_FIELDS = frozenset({"log_index", "kind", "ref", "dsse", "inclusion_proof"})
+#: An erased envelope: its signed bytes are gone; ``tombstone`` is what an erasure record
+#: of the bundle states of it (``ledger.core.erasure.Tombstone.served``).
+TOMBSTONE_RECORD_FIELDS = frozenset({"log_index", "kind", "ref", "tombstone",
+                                     "inclusion_proof"})
 
 
 class BundleError(VerificationError):
@@ -99,6 +111,7 @@ class BundleHeader:
     service_keys: dict[str, bytes]
     witnesses: list[str] = field(default_factory=list)
     registry: Registry = field(default_factory=Registry)
+    tombstones: dict[int, Tombstone] = field(default_factory=dict)
 
 
 @dataclass
@@ -276,6 +289,8 @@ def _verify(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str, 
         rec = orjson.loads(line)
     except orjson.JSONDecodeError as exc:
         raise BundleError(f"{where}: not valid JSON: {exc}") from exc
+    if isinstance(rec, dict) and set(rec) == TOMBSTONE_RECORD_FIELDS:
+        return _verify_tombstone(rec, where, header)
     if not isinstance(rec, dict) or set(rec) != RECORD_FIELDS:
         raise BundleError(f"{where}: not a bundle record")
     index, kind, ref = rec["log_index"], rec["kind"], rec["ref"]
@@ -289,7 +304,7 @@ def _verify(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str, 
         env = dsse.envelope_from_obj(rec["dsse"])
 
         def key_for(keyid: str) -> bytes:
-            if kind == "admin_event":
+            if kind in FIRST_KINDS:
                 service = header.service_keys.get(keyid)
                 if service is None:
                     raise BundleError(f"admin event signed by {keyid}, not a trusted "
@@ -309,15 +324,17 @@ def _verify(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str, 
         payload_ref = _payload_ref(kind, payload)
         if payload_ref != ref:
             raise BundleError(f"the signed payload names {payload_ref!r}, the record {ref!r}")
-        proof = [_b64(h, "inclusion_proof item") for h in rec["inclusion_proof"]] \
-            if isinstance(rec["inclusion_proof"], list) else None
-        if proof is None:
+        items = rec["inclusion_proof"]
+        if not isinstance(items, list):
             raise BundleError("inclusion_proof must be a list")
-        verify_record_included(kind, ref, env.canonical_bytes(), index,
-                               header.checkpoint.size, header.checkpoint.root_hash, proof)
+        entry = log_entry_bytes(kind, ref, dsse_digest(env.canonical_bytes()))
+        proven_nodes(header.checkpoint.size, header.checkpoint.root_hash).check(
+            leaf_hash(entry), index, items)
         if kind == "admin_event":
             event = open_admin_event(env, key_for)
             return index, kind, event.predicate
+        if kind == "erasure":
+            return index, kind, erasure_record(erasure_predicate(env.payload), (), index)
     except BundleError as exc:
         raise BundleError(f"{where}: {exc.message}") from exc
     except (LedgerError, ValueError, TypeError, KeyError, orjson.JSONDecodeError) as exc:
@@ -330,9 +347,36 @@ def verify_record(line: bytes, line_no: int, header: BundleHeader) -> tuple[int,
     """Verify one record line (not an admin event: see :func:`add_admin_event`); returns
     (log_index, kind)."""
     index, kind, _ = _verify(line, line_no, header)
-    if kind == "admin_event":
-        raise BundleError(f"line {line_no}: admin_event records must come first")
+    if kind in FIRST_KINDS:
+        raise BundleError(f"line {line_no}: {kind} records must come first")
     return index, kind
+
+
+def _verify_tombstone(rec: dict[str, Any], where: str, header: BundleHeader
+                      ) -> tuple[int, str, Any]:
+    """An erased envelope: an erasure record of the bundle (verified before, signed by a
+    service key) must state this tombstone; the leaf is rebuilt from it (request ID and
+    digest) and its inclusion proof checked, so the proofs of erased records still hold."""
+    index, ref, tomb = rec["log_index"], rec["ref"], rec["tombstone"]
+    if not isinstance(index, int) or isinstance(index, bool) or not isinstance(ref, str) \
+            or rec["kind"] != "envelope" or not isinstance(tomb, dict):
+        raise BundleError(f"{where}: not a tombstone record")
+    where = f"{where} (log index {index}, erased envelope {ref})"
+    signed = header.tombstones.get(index)
+    if signed is None:
+        raise BundleError(f"{where}: no erasure record of the bundle states this tombstone")
+    if tomb != signed.served() or signed.request_id != ref:
+        raise BundleError(f"{where}: the tombstone differs from what erasure "
+                          f"{signed.erasure_id} signed")
+    try:
+        proof = [_b64(h, "inclusion_proof item") for h in rec["inclusion_proof"]]
+        entry = log_entry_bytes("envelope", ref, signed.dsse_sha256)
+        verify_inclusion(leaf_hash(entry), index, header.checkpoint.size, proof,
+                         header.checkpoint.root_hash)
+    except (LedgerError, TypeError) as exc:
+        message = exc.message if isinstance(exc, LedgerError) else str(exc)
+        raise BundleError(f"{where}: {message}") from exc
+    return index, "erased_envelope", None
 
 
 def is_admin_event(line: bytes) -> bool:
@@ -341,13 +385,17 @@ def is_admin_event(line: bytes) -> bool:
         rec = orjson.loads(line)
     except orjson.JSONDecodeError:
         return False
-    return isinstance(rec, dict) and rec.get("kind") == "admin_event"
+    return isinstance(rec, dict) and rec.get("kind") in FIRST_KINDS
 
 
 def add_admin_event(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str]:
     """Verify an admin_event record and fold it into the header's key registry: the keys
     it registers sign the records after it (with a trust policy, only those)."""
     index, kind, pred = _verify(line, line_no, header)
+    if kind == "erasure":
+        for t_index, tomb in pred.tombstones.items():
+            header.tombstones.setdefault(t_index, tomb)
+        return index, kind
     if kind != "admin_event":
         raise BundleError(f"line {line_no}: not an admin_event record")
     try:
@@ -368,9 +416,101 @@ def _payload_ref(kind: str, payload: Any) -> str | None:
     if not isinstance(pred, dict):
         return None
     key = {"envelope": "request_id", "verdict": "verdict_id", "dispute_event": "event_id",
-           "admin_event": "event_id"}[kind]
+           "admin_event": "event_id", "erasure": "erasure_id"}[kind]
     value = pred.get(key)
     return value if isinstance(value, str) else None
+
+
+class ProvenNodes:
+    """Inclusion proofs of many records against one (size, root), checked with what the
+    earlier ones proved: the subtree hashes computed on a verified path, each with the
+    proof items (base64, as the bundle spells them) that led from it to the root.
+
+    A bundle's records are in index order, so neighbours share all but the lowest few
+    hashes of their paths. A record's path is hashed from its leaf up only until it meets
+    a subtree hash already proven to lead to the root; the rest of its items must be the
+    ones that proved it (compared as strings, not decoded). Anything else (a different
+    hash there, an unfamiliar item, a wrong length, an index outside the tree) falls back
+    to :func:`verify_inclusion` on the whole decoded proof, so what is accepted and the
+    errors raised are exactly those of checking every proof on its own."""
+
+    LIMIT = 4096  # remembered subtree hashes (a few paths suffice in index order); then afresh
+
+    def __init__(self, size: int, root: bytes) -> None:
+        self.size, self.root = size, root
+        self.nodes: dict[tuple[int, int], tuple[bytes, list[Any]]] = {}
+
+    def check(self, leaf: bytes, index: int, items: list[Any]) -> None:
+        if (isinstance(index, int) and not isinstance(index, bool) and 0 <= index < self.size
+                and self._walk(leaf, index, items)):
+            return
+        proof = [_b64(h, "inclusion_proof item") for h in items]
+        verify_inclusion(leaf, index, self.size, proof, self.root)
+        self._walk(leaf, index, items, proof)  # remember the path it proved
+
+    def _walk(self, leaf: bytes, index: int, items: list[Any],
+              proof: list[bytes] | None = None) -> bool:
+        """Hash up from ``leaf`` (RFC 9162's tree, bottom up: a node with no right
+        neighbour inside the tree is carried up unchanged) until a proven node or the
+        root; True, remembering the new nodes, when that proves the record. With
+        ``proof`` (already verified) it only remembers."""
+        size, nodes = self.size, self.nodes
+        new: list[tuple[tuple[int, int], bytes, int]] = []
+        h, k, j = leaf, 0, 0
+        while True:
+            lo = (index >> j) << j
+            hi = min(lo + (1 << j), size)
+            if lo == 0 and hi == size:
+                if proof is None and (h != self.root or k != len(items)):
+                    return False
+                break
+            if k:
+                known = nodes.get((lo, hi))
+                if known is not None:
+                    if proof is None and (known[0] != h or items[k:] != known[1]):
+                        return False
+                    break
+            if (index >> j) & 1 or hi < size:
+                if k >= len(items):
+                    return False
+                if proof is not None:
+                    sibling = proof[k]
+                else:
+                    item = items[k]
+                    if not isinstance(item, str) or len(item) != 44:
+                        return False
+                    try:
+                        sibling = binascii.a2b_base64(item.encode("ascii"), strict_mode=True)
+                    except (binascii.Error, ValueError):
+                        return False
+                    if len(sibling) != HASH_SIZE:
+                        return False
+                if (index >> j) & 1:
+                    h = _sha256(NODE_PREFIX + sibling + h).digest()
+                else:
+                    h = _sha256(NODE_PREFIX + h + sibling).digest()
+                k += 1
+                up = j + 1
+                new.append((((index >> up) << up, min(((index >> up) + 1) << up, size)), h,
+                            k))
+            j += 1
+        if len(nodes) > self.LIMIT:
+            nodes.clear()
+        for key, node, at in new:
+            nodes[key] = (node, items[at:])
+        return True
+
+
+_PROVEN: dict[tuple[int, bytes], ProvenNodes] = {}
+
+
+def proven_nodes(size: int, root: bytes) -> ProvenNodes:
+    """This process's :class:`ProvenNodes` for the tree (size, root)."""
+    found = _PROVEN.get((size, root))
+    if found is None:
+        _PROVEN.clear()
+        found = _PROVEN[(size, root)] = ProvenNodes(size, root)
+    return found
 
 
 ChunkResult = list[tuple[int, str, int]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     AwareDatetime,
@@ -27,8 +27,13 @@ from ledger.core import jsonstrict
 from ledger.core.errors import ValidationFailed
 from ledger.core.fingerprint import fingerprint_id
 
+if TYPE_CHECKING:
+    from ledger.core.vendor import VendorEnvelopeStatement
+
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 ENVELOPE_PREDICATE_TYPE = "urn:inference-ledger:envelope:v1"
+#: The vendor channel's predicate (:mod:`ledger.core.vendor`); v1 is unchanged.
+VENDOR_ENVELOPE_PREDICATE_TYPE = "urn:inference-ledger:envelope:v2"
 
 #: A request ID: characters JSON never escapes (log entries name it verbatim).
 REQUEST_ID_PATTERN = r"^[A-Za-z0-9._:@+=-]+$"
@@ -47,6 +52,10 @@ RequestId = Annotated[
 ]
 TokenId = Annotated[int, Field(ge=0, description="a token ID; at most the ledger's max_token_id")]
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
+DataSubject = Annotated[str, Field(
+    pattern=r"^[A-Za-z0-9._:@+=-]{1,200}$",
+    description="a pseudonymous data subject ID (e.g. a keyed hash of the gateway's user "
+    "ID): never a name or an e-mail address; see docs/privacy.md")]
 ShortStr = Annotated[str, Field(min_length=1, max_length=200)]
 OptShortStr = Annotated[str | None, Field(default=None, max_length=200)]
 FlagValue = (Annotated[str, Field(max_length=1000)] | int | float | bool
@@ -165,6 +174,9 @@ class EnvelopePredicate(_Model):
     sampling: Sampling
     runtime: Runtime
     output: Output
+    #: optional pseudonym of the person the prompt is about (docs/privacy.md): the
+    #: ledger encrypts the record under this subject's data keys, so it can be erased
+    data_subject: DataSubject | None = None
 
     @model_validator(mode="after")
     def _check_limits(self, info: ValidationInfo) -> EnvelopePredicate:
@@ -247,14 +259,22 @@ class IndexFields:
     fingerprint_id: str
     prompt_tokens: int
     output_tokens: int
+    data_subject: str | None = None  # not a column: it picks the record's data key
 
 
-def parse_statement(payload: bytes, limits: Limits | None = None) -> EnvelopeStatement:
-    """Parse a DSSE payload (already signature-checked) into a validated statement."""
+def parse_statement(payload: bytes, limits: Limits | None = None
+                    ) -> EnvelopeStatement | VendorEnvelopeStatement:
+    """Parse a DSSE payload (already signature-checked) into a validated statement: a v1
+    execution envelope, or a v2 vendor envelope (:mod:`ledger.core.vendor`)."""
     obj = jsonstrict.loads(payload, what="envelope payload")
+    if isinstance(obj, dict) and obj.get("predicateType") == VENDOR_ENVELOPE_PREDICATE_TYPE:
+        from ledger.core.vendor import validate_vendor_statement
+
+        return validate_vendor_statement(obj)
     if isinstance(obj, dict) and obj.get("predicateType") != ENVELOPE_PREDICATE_TYPE:
         raise ValidationFailed(
-            f"predicateType must be {ENVELOPE_PREDICATE_TYPE!r}, got {obj.get('predicateType')!r}",
+            f"predicateType must be {ENVELOPE_PREDICATE_TYPE!r} or "
+            f"{VENDOR_ENVELOPE_PREDICATE_TYPE!r}, got {obj.get('predicateType')!r}",
             code="wrong_predicate_type",
         )
     return validate_statement(obj, limits)
@@ -293,7 +313,11 @@ def _fingerprint_of(runtime: Runtime) -> str:
     return found
 
 
-def index_fields(statement: EnvelopeStatement) -> IndexFields:
+def index_fields(statement: EnvelopeStatement | VendorEnvelopeStatement) -> IndexFields:
+    if not isinstance(statement, EnvelopeStatement):
+        from ledger.core.vendor import vendor_index_fields
+
+        return vendor_index_fields(statement)
     p = statement.predicate
     return IndexFields(
         request_id=p.request_id,
@@ -305,7 +329,18 @@ def index_fields(statement: EnvelopeStatement) -> IndexFields:
         fingerprint_id=_fingerprint_of(p.runtime),
         prompt_tokens=len(p.prompt_token_ids),
         output_tokens=len(p.output.token_ids),
+        data_subject=p.data_subject,
     )
+
+
+def runtime_of(statement: EnvelopeStatement | VendorEnvelopeStatement) -> dict[str, Any]:
+    """The runtime a statement is routed by: v1's ``predicate.runtime``; for a vendor
+    record ``{"engine": "vendor:<name>"}``."""
+    if isinstance(statement, EnvelopeStatement):
+        return statement.predicate.runtime.model_dump(mode="json")
+    from ledger.core.vendor import vendor_runtime
+
+    return vendor_runtime(statement.predicate.vendor.name)
 
 
 def envelope_json_schema() -> dict[str, Any]:

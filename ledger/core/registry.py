@@ -27,6 +27,7 @@ from ledger.core.statements import (
     ADMIN_EVENT_KINDS,
     ADMIN_EVENT_PREDICATE_TYPE,
     GATE_EVENT_KIND,
+    RETENTION_EVENT_KIND,
     RUN_EVENT_KIND,
     record_digest,
 )
@@ -112,6 +113,8 @@ POLICY_SETTINGS = ("id", "name", "interval_seconds", "sample_size", "sample_rate
                    "created_at", "first_window_start")
 RUN_FIELDS = ("id", "policy_id", "window_start", "window_end", "sampled")
 GATE_FIELDS = ("id", "new_fingerprint", "model_sha256", "baseline_fingerprint", "sampled")
+RETENTION_FIELDS = ("id", "name", "channel", "model_sha256", "erase_after_days", "enabled",
+                    "created_by", "created_at")
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,9 +178,9 @@ def open_admin_event(env: dsse.Envelope, public_key_for: Callable[[str], bytes]
         _str(pred, name, "predicate")
     if pred["kind"] not in ADMIN_EVENT_KINDS:
         raise RegistryError(f"unknown admin event kind {pred['kind']!r}")
-    if pred["kind"].startswith(("policy.", "gate.")):
-        stated = pred.get("run" if pred["kind"] == RUN_EVENT_KIND else "gate"
-                          if pred["kind"] == GATE_EVENT_KIND else "policy")
+    if pred["kind"].startswith(("policy.", "gate.", "retention.")):
+        stated = pred.get({RUN_EVENT_KIND: "run", GATE_EVENT_KIND: "gate",
+                           RETENTION_EVENT_KIND: "retention"}.get(pred["kind"], "policy"))
         subject = st.get("subject")
         try:
             digest = subject[0]["digest"]["sha256"]  # type: ignore[index]
@@ -187,6 +190,20 @@ def open_admin_event(env: dsse.Envelope, public_key_for: Callable[[str], bytes]
             raise RegistryError("the admin event's subject digest is not the SHA-256 of "
                                 "the record it states")
     return AdminEventRecord(pred, signed_by)
+
+
+def check_retention_record(pred: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The retention policy a ``retention.created`` predicate states, checked."""
+    r = _fields(pred, "retention", RETENTION_FIELDS)
+    if pred["target"] != _str(r, "id", "retention"):
+        raise RegistryError("the event's target must be the retention policy's id")
+    _str(r, "name", "retention")
+    days = r["erase_after_days"]
+    if not isinstance(days, int) or isinstance(days, bool) or days < 1 \
+            or not isinstance(r["enabled"], bool):
+        raise RegistryError("a retention policy erases after a whole number of days >= 1")
+    _time(r["created_at"], "retention.created_at")
+    return r
 
 
 @dataclass
@@ -200,6 +217,8 @@ class Registry:
     runs: dict[str, RegisteredRun] = field(default_factory=dict)
     #: fingerprint gates by run id (one per new fingerprint and model)
     gates: dict[str, RegisteredRun] = field(default_factory=dict)
+    #: retention policies by id (created once; there is no change or deletion of one)
+    retention: dict[str, RegisteredRun] = field(default_factory=dict)
 
     def apply(self, log_index: int, pred: Mapping[str, Any], *,
               vouched_by: str = "policy") -> None:
@@ -212,6 +231,8 @@ class Registry:
             self._apply_run(log_index, pred)
         elif kind == GATE_EVENT_KIND:
             self._apply_gate(log_index, pred)
+        elif kind == RETENTION_EVENT_KIND:
+            self._apply_retention(log_index, pred)
         else:
             self._apply_policy(log_index, kind, pred)
 
@@ -282,6 +303,14 @@ class Registry:
         if not isinstance(g["sampled"], int) or g["sampled"] < 0:
             raise RegistryError(f"gate {gid} samples a count")
         self.gates[gid] = RegisteredRun(dict(g), log_index)
+
+    def _apply_retention(self, log_index: int, pred: Mapping[str, Any]) -> None:
+        r = check_retention_record(pred)
+        if r["id"] in self.retention:
+            raise RegistryError(f"retention policy {r['id']} is created twice (first at log "
+                                f"index {self.retention[r['id']].index})")
+        self.retention[r["id"]] = RegisteredRun(dict(r), log_index)
+
 
     def _apply_key(self, log_index: int, kind: str, pred: Mapping[str, Any],
                    vouched_by: str) -> None:

@@ -41,9 +41,10 @@ OUTCOMES = tuple(VerdictOutcome)
 POLICY_EVENT_KINDS = ("policy.created", "policy.paused", "policy.resumed", "policy.deleted")
 RUN_EVENT_KIND = "policy.window_claimed"
 GATE_EVENT_KIND = "gate.claimed"
+RETENTION_EVENT_KIND = "retention.created"
 ADMIN_EVENT_KINDS = ("signing_key.registered", "signing_key.revoked", "api_key.created",
                      "api_key.revoked", "api_key.role_changed", *POLICY_EVENT_KINDS,
-                     RUN_EVENT_KIND, GATE_EVENT_KIND)
+                     RUN_EVENT_KIND, GATE_EVENT_KIND, RETENTION_EVENT_KIND)
 
 
 def _subject(request_id: str, envelope_dsse_sha256: str) -> list[dict[str, Any]]:
@@ -143,6 +144,16 @@ def gate_record(*, id: str, new_fingerprint: str, model_sha256: str,
             "baseline_fingerprint": baseline_fingerprint, "sampled": sampled}
 
 
+def retention_record(*, id: str, name: str, channel: str | None, model_sha256: str | None,
+                     erase_after_days: int, enabled: bool, created_by: str,
+                     created_at: datetime) -> dict[str, Any]:
+    """A retention policy as its admin event states it: the beat erases only by a policy
+    whose row equals its signed leaf."""
+    return {"id": id, "name": name, "channel": channel, "model_sha256": model_sha256,
+            "erase_after_days": erase_after_days, "enabled": enabled,
+            "created_by": created_by, "created_at": timestamp(created_at)}
+
+
 def record_digest(record: Mapping[str, Any]) -> str:
     """The subject digest of a policy or run admin event: SHA-256 of the record's canonical
     JSON (RFC 8785, as the statement is signed: the same digest after a round trip)."""
@@ -155,7 +166,8 @@ def _admin_body(kind: str, stated: dict[str, Mapping[str, Any] | None]
     ``stated`` (its name: what the kind states)."""
     field_ = ("key" if kind.startswith("signing_key.") else "api_key"
               if kind.startswith("api_key.") else "run" if kind == RUN_EVENT_KIND
-              else "gate" if kind == GATE_EVENT_KIND else "policy")
+              else "gate" if kind == GATE_EVENT_KIND
+              else "retention" if kind == RETENTION_EVENT_KIND else "policy")
     given = [name for name, value in stated.items() if value is not None]
     if given != [field_]:
         raise ValueError(f"a {kind} event states its {field_} and nothing else")
@@ -170,7 +182,8 @@ def _admin_body(kind: str, stated: dict[str, Mapping[str, Any] | None]
     else:
         target = str(record["id"])
         digest = record_digest(record)
-        name = f"{'policy' if field_ == 'policy' else 'reverification_run'}:{target}"
+        name = {"policy": "policy", "run": "reverification_run", "gate": "reverification_run",
+                "retention": "retention_policy"}[field_] + f":{target}"
     return target, [{"name": name, "digest": {"sha256": digest}}], {field_: dict(record)}
 
 
@@ -179,11 +192,13 @@ def admin_event_statement(*, event_id: str, kind: str, actor: str, at: datetime,
                           api_key: Mapping[str, Any] | None = None,
                           policy: Mapping[str, Any] | None = None,
                           run: Mapping[str, Any] | None = None,
-                          gate: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                          gate: Mapping[str, Any] | None = None,
+                          retention: Mapping[str, Any] | None = None) -> dict[str, Any]:
     if kind not in ADMIN_EVENT_KINDS:
         raise ValueError(f"unknown admin event kind {kind!r}")
     target, subject, body = _admin_body(kind, {"key": key, "api_key": api_key,
-                                               "policy": policy, "run": run, "gate": gate})
+                                               "policy": policy, "run": run, "gate": gate,
+                                               "retention": retention})
     return {
         "_type": STATEMENT_TYPE,
         "subject": subject,

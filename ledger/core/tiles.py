@@ -5,11 +5,15 @@ References: https://c2sp.org/tlog-tiles, Go's ``golang.org/x/mod/sumdb/tlog`` (t
 
 A tile at level L, index N holds up to 256 consecutive hashes at tree level 8*L: at level
 0 the leaf hashes, above that the Merkle Tree Hash of each *full* tile of the level below.
-Tree levels 8*L+1 .. 8*L+7 are not stored; they are recomputed from a tile's bottom row.
-The rightmost tile of a level is partial (1..255 hashes) and is never hashed into the level
-above. Because the log only appends, a partial tile of width W is a prefix of every later
-version of the same tile, so storage can keep one row per (level, index) and answer any
-narrower read by truncating it.
+Tree levels 8*L+1 .. 8*L+7 are not part of a tile. For a *full* tile they are its
+:func:`tile_nodes` (255 hashes), which storage may keep beside it (a full tile never
+changes), so that a proof is lookups instead of up to 255 SHA-256 calls per element; a
+reader without them, or a partial tile, has them recomputed from the tile's bottom row.
+Stored nodes are derived data: whoever serves a proof built from them checks it against
+the signed root first (``ledger.log.proofs``). The rightmost tile of a level is partial
+(1..255 hashes) and is never hashed into the level above. Because the log only appends, a
+partial tile of width W is a prefix of every later version of the same tile, so storage
+can keep one row per (level, index) and answer any narrower read by truncating it.
 
 Nothing here does I/O: storage is behind :class:`TileReader` (the integrator reads tiles
 from Postgres; :class:`MemoryTileStore` is the in-memory one for tests and benchmarks).
@@ -20,9 +24,9 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, cast
 
 from ledger.core.errors import TileFormatError, TileNotFoundError, TreeRangeError
 from ledger.core.merkle import (
@@ -37,6 +41,7 @@ from ledger.core.merkle import (
 TILE_HEIGHT = 8
 TILE_WIDTH = 1 << TILE_HEIGHT  # 256 hashes in a full tile
 FULL_TILE_BYTES = TILE_WIDTH * HASH_SIZE  # 8,192
+TILE_NODES_BYTES = (TILE_WIDTH - 1) * HASH_SIZE  # 8,160: the 255 hashes above the bottom row
 MAX_TILE_LEVEL = 63
 MAX_ENTRY_SIZE = 0xFFFF  # entry bundles use a big-endian uint16 length prefix
 
@@ -233,11 +238,25 @@ class TileReader(Protocol):
         ...
 
 
+class TileNodeReader(TileReader, Protocol):
+    """A :class:`TileReader` that may also hold the :func:`tile_nodes` of full tiles."""
+
+    def read_tiles_and_nodes(
+        self, tiles: Sequence[Tile]
+    ) -> Sequence[tuple[bytes, bytes | None]]:
+        """(data, nodes) for every requested tile, in order: ``data`` as
+        :meth:`TileReader.read_tiles` returns it; ``nodes`` the 255 hashes of
+        :func:`tile_nodes` for a full tile that has them stored, else None."""
+        ...
+
+
 class MemoryTileStore:
-    """A :class:`TileReader` over a dict; keeps the widest version of each tile."""
+    """A :class:`TileReader` over a dict; keeps the widest version of each tile, and the
+    :func:`tile_nodes` of full tiles given to :meth:`write_nodes`."""
 
     def __init__(self) -> None:
         self._tiles: dict[tuple[int, int], bytes] = {}
+        self._nodes: dict[tuple[int, int], bytes] = {}
         self.read_calls = 0
         self.tiles_read = 0
 
@@ -263,6 +282,22 @@ class MemoryTileStore:
                 raise TileFormatError(f"{t.path} would change hashes already stored")
             self._tiles[(t.level, t.index)] = bytes(data)
 
+    def write_nodes(self, nodes: Mapping[Tile, bytes]) -> None:
+        """Keep the :func:`tile_nodes` of full tiles (from :attr:`Integration.nodes`)."""
+        for t, data in nodes.items():
+            if t.is_partial or len(data) != TILE_NODES_BYTES:
+                raise TileFormatError(f"{t.path}: nodes are kept for full tiles only")
+            self._nodes[(t.level, t.index)] = bytes(data)
+
+    def nodes(self) -> dict[tuple[int, int], bytes]:
+        """The nodes kept, by (level, index)."""
+        return dict(self._nodes)
+
+    def read_tiles_and_nodes(self, tiles: Sequence[Tile]) -> list[tuple[bytes, bytes | None]]:
+        data = self.read_tiles(tiles)
+        return [(d, None if t.is_partial else self._nodes.get((t.level, t.index)))
+                for t, d in zip(tiles, data, strict=True)]
+
     def __len__(self) -> int:
         return len(self._tiles)
 
@@ -279,6 +314,28 @@ def _mth_aligned(data: bytes) -> bytes:
             [_sha256(NODE_PREFIX + data[i : i + 64]).digest() for i in range(0, len(data), 64)]
         )
     return data
+
+
+def tile_nodes(data: bytes) -> bytes:
+    """The 255 hashes inside a full tile, above its 256 hashes: the 128 pairs' hashes
+    (tree level 8*L+1), then the 64 above them, ..., and last the tile's own MTH (the hash
+    the tile above holds for it). Node k of in-tile level j (1..8) is at hash offset
+    ``256 - (512 >> j) + k`` (:func:`tile_node_offset`)."""
+    if len(data) != FULL_TILE_BYTES:
+        raise TileFormatError(f"tile nodes are made from a full tile, not {len(data)} bytes")
+    out: list[bytes] = []
+    row = data
+    while len(row) > HASH_SIZE:
+        row = b"".join(
+            [_sha256(NODE_PREFIX + row[i : i + 64]).digest() for i in range(0, len(row), 64)]
+        )
+        out.append(row)
+    return b"".join(out)
+
+
+def tile_node_offset(j: int, k: int) -> int:
+    """Byte offset in :func:`tile_nodes` of node ``k`` at in-tile level ``j`` (1..8)."""
+    return (TILE_WIDTH - (2 * TILE_WIDTH >> j) + k) * HASH_SIZE
 
 
 def _fold(blocks: Sequence[bytes]) -> bytes:
@@ -316,60 +373,163 @@ def _read_checked(reader: TileReader, tiles: list[Tile]) -> dict[Tile, bytes]:
     return dict(zip(tiles, data, strict=True))
 
 
+def _read_with_nodes(reader: TileReader, tiles: list[Tile]
+                     ) -> dict[Tile, tuple[bytes, bytes | None]]:
+    # hasattr, not isinstance: a runtime Protocol check costs more than the lookups
+    if not hasattr(reader, "read_tiles_and_nodes"):
+        return {t: (d, None) for t, d in _read_checked(reader, tiles).items()}
+    got = cast(TileNodeReader, reader).read_tiles_and_nodes(tiles)
+    if len(got) != len(tiles):
+        raise TileFormatError(f"tile reader returned {len(got)} tiles for {len(tiles)}")
+    for t, (d, nodes) in zip(tiles, got, strict=True):
+        if len(d) != t.width * HASH_SIZE:
+            raise TileFormatError(f"{t.path}: reader returned {len(d)} bytes")
+        if nodes is not None and (t.is_partial or len(nodes) != TILE_NODES_BYTES):
+            raise TileFormatError(f"{t.path}: reader returned {len(nodes)} bytes of nodes")
+    return dict(zip(tiles, got, strict=True))
+
+
 def _subtree_hashes(
-    size: int, nodes: Iterable[tuple[int, int]], reader: TileReader
+    size: int,
+    nodes: Iterable[tuple[int, int]],
+    reader: TileReader,
+    memo: MutableMapping[tuple[int, int], bytes] | None = None,
 ) -> dict[tuple[int, int], bytes]:
     """Hashes of full subtrees (tree level, index) of the tree of ``size``, in one read.
 
     A subtree at tree level 8*L + j is the MTH of 2**j consecutive hashes of tile level L
-    (like Go's ``tlog.TileHashReader``), so only tiles at level L are read for it.
+    (like Go's ``tlog.TileHashReader``), so only tiles at level L are read for it: looked
+    up in the tile's :func:`tile_nodes` where the reader has them, else recomputed.
+    ``memo`` (a full subtree's hash does not depend on the tree size) is consulted first
+    and given what was read.
     """
+    out: dict[tuple[int, int], bytes] = {}
     where: dict[tuple[int, int], tuple[Tile, int, int]] = {}
     wanted: dict[Tile, None] = {}
     for level, index in nodes:
+        if memo is not None:
+            known = memo.get((level, index))
+            if known is not None:
+                out[(level, index)] = known
+                continue
         tile_level, j = divmod(level, TILE_HEIGHT)
         first = index << j  # index of the subtree's first hash at tree level 8*tile_level
         n = first >> TILE_HEIGHT
         tile = Tile(tile_level, n, tile_width(tile_level, n, size))
-        offset = first & (TILE_WIDTH - 1)
-        where[(level, index)] = (tile, offset * HASH_SIZE, (offset + (1 << j)) * HASH_SIZE)
+        where[(level, index)] = (tile, j, first & (TILE_WIDTH - 1))
         wanted[tile] = None
     if not wanted:
-        return {}
-    data = _read_checked(reader, list(wanted))
-    return {node: _mth_aligned(data[t][a:b]) for node, (t, a, b) in where.items()}
+        return out
+    data = _read_with_nodes(reader, list(wanted))
+    for node, (t, j, offset) in where.items():
+        tile_data, stored_nodes = data[t]
+        if j == 0:
+            h = tile_data[offset * HASH_SIZE : (offset + 1) * HASH_SIZE]
+        elif stored_nodes is not None:
+            at = tile_node_offset(j, offset >> j)
+            h = stored_nodes[at : at + HASH_SIZE]
+        else:
+            h = _mth_aligned(tile_data[offset * HASH_SIZE : (offset + (1 << j)) * HASH_SIZE])
+        out[node] = h
+    if memo is not None:
+        memo.update((node, out[node]) for node in where)
+    return out
 
 
-def _range_hashes(size: int, ranges: Sequence[tuple[int, int]], reader: TileReader) -> list[bytes]:
+def _range_hashes(
+    size: int,
+    ranges: Sequence[tuple[int, int]],
+    reader: TileReader,
+    memo: MutableMapping[tuple[int, int], bytes] | None = None,
+) -> list[bytes]:
     pieces = [_full_subtrees(lo, hi) for lo, hi in ranges]
-    hashes = _subtree_hashes(size, (node for p in pieces for node in p), reader)
+    hashes = _subtree_hashes(size, (node for p in pieces for node in p), reader, memo)
     return [_fold([hashes[node] for node in p]) for p in pieces]
 
 
-def root_from_tiles(size: int, reader: TileReader) -> bytes:
-    """MTH(D[0:size]) from the tiles of a tree of at least ``size`` leaves."""
+def root_from_tiles(
+    size: int,
+    reader: TileReader,
+    memo: MutableMapping[tuple[int, int], bytes] | None = None,
+    *,
+    tree_size: int | None = None,
+) -> bytes:
+    """MTH(D[0:size]) from the tiles of a tree of at least ``size`` leaves; with
+    ``tree_size``, reading the tiles as they are in the tree of that size (full ones,
+    with their stored nodes, rather than partial prefixes)."""
     _check_tree_size(size)
     if size == 0:
         return EMPTY_ROOT
-    return _range_hashes(size, [(0, size)], reader)[0]
+    if tree_size is not None and tree_size < size:
+        raise TreeRangeError(f"tree size {tree_size} is smaller than {size}")
+    return _range_hashes(tree_size or size, [(0, size)], reader, memo)[0]
 
 
-def inclusion_proof_from_tiles(index: int, size: int, reader: TileReader) -> list[bytes]:
-    """PATH(index, D[0:size]) (RFC 9162 2.1.3.1) from tiles; same output as the in-memory one."""
-    return _range_hashes(size, inclusion_proof_ranges(index, size), reader)
+def inclusion_proof_from_tiles(
+    index: int,
+    size: int,
+    reader: TileReader,
+    memo: MutableMapping[tuple[int, int], bytes] | None = None,
+) -> list[bytes]:
+    """PATH(index, D[0:size]) (RFC 9162 2.1.3.1) from tiles; same output as the in-memory one.
+
+    ``memo``: full-subtree hashes by (tree level, index), consulted and filled (see
+    :func:`_subtree_hashes`). Hashes come from storage: check the proof against the signed
+    root before serving it."""
+    return _range_hashes(size, inclusion_proof_ranges(index, size), reader, memo)
 
 
-def consistency_proof_from_tiles(old_size: int, new_size: int, reader: TileReader) -> list[bytes]:
+def consistency_proof_and_old_root_from_tiles(
+    old_size: int,
+    new_size: int,
+    reader: TileReader,
+    memo: MutableMapping[tuple[int, int], bytes] | None = None,
+) -> tuple[list[bytes], bytes]:
+    """PROOF(m, D[0:n]) and MTH(D[0:m]), from one read of the tiles of the tree of
+    ``new_size`` (to check the proof where no checkpoint of ``old_size`` exists)."""
+    ranges = consistency_proof_ranges(old_size, new_size)
+    if old_size == 0:
+        return _range_hashes(new_size, ranges, reader, memo), EMPTY_ROOT
+    *proof, old_root = _range_hashes(new_size, [*ranges, (0, old_size)], reader, memo)
+    return proof, old_root
+
+
+def subtree_path_from_tiles(
+    level: int,
+    index: int,
+    size: int,
+    reader: TileReader,
+    memo: MutableMapping[tuple[int, int], bytes] | None = None,
+) -> list[bytes]:
+    """The proof elements above the full subtree (tree ``level``, ``index``), which must
+    lie inside the tree of ``size``: PATH(index << level, D[0:size]) without its first
+    ``level`` elements, which are inside the subtree. With the subtree's hash ``h``,
+    ``verify_inclusion(h, index, ceil(size / 2**level), path, root)`` checks it: the
+    tree seen from that level is the same left-balanced tree."""
+    if (index + 1) << level > size:
+        raise TreeRangeError(f"subtree ({level}, {index}) is not full in a tree of {size}")
+    return _range_hashes(size, inclusion_proof_ranges(index << level, size)[level:], reader,
+                         memo)
+
+
+def consistency_proof_from_tiles(
+    old_size: int,
+    new_size: int,
+    reader: TileReader,
+    memo: MutableMapping[tuple[int, int], bytes] | None = None,
+) -> list[bytes]:
     """PROOF(m, D[0:n]) (RFC 9162 2.1.4.1) from tiles; same output as the in-memory one."""
-    return _range_hashes(new_size, consistency_proof_ranges(old_size, new_size), reader)
+    return _range_hashes(new_size, consistency_proof_ranges(old_size, new_size), reader, memo)
 
 
 class Integration(NamedTuple):
-    """What :func:`integrate` produced: the new tree and every tile it created or changed."""
+    """What :func:`integrate` produced: the new tree, every tile it created or changed, and
+    the :func:`tile_nodes` of every tile that became full (hashed on the way anyway)."""
 
     size: int
     root: bytes
     tiles: dict[Tile, bytes]
+    nodes: dict[Tile, bytes]
 
 
 def integrate(old_size: int, new_leaf_hashes: Sequence[bytes], reader: TileReader) -> Integration:
@@ -378,8 +538,8 @@ def integrate(old_size: int, new_leaf_hashes: Sequence[bytes], reader: TileReade
     Returns the new size, the new root and every tile, at every level, that the append
     creates or changes (full tiles with width 256, the new rightmost tiles as partial).
     Reads the old rightmost partial tile of each level, in one ``read_tiles`` call, and
-    nothing else. The caller stores the tiles (upsert by level and index) and signs a
-    checkpoint for (size, root).
+    nothing else. The caller stores the tiles (upsert by level and index) and the nodes of
+    the tiles that became full, and signs a checkpoint for (size, root).
     """
     _check_tree_size(old_size)
     for h in new_leaf_hashes:
@@ -388,7 +548,7 @@ def integrate(old_size: int, new_leaf_hashes: Sequence[bytes], reader: TileReade
     new_size = old_size + len(new_leaf_hashes)
     _check_tree_size(new_size)
     if new_size == 0:
-        return Integration(0, EMPTY_ROOT, {})
+        return Integration(0, EMPTY_ROOT, {}, {})
 
     # The old rightmost partial tile of every level: the only stored hashes we need.
     old_partials: list[Tile] = []
@@ -402,6 +562,7 @@ def integrate(old_size: int, new_leaf_hashes: Sequence[bytes], reader: TileReade
         prefix = {t.level: d for t, d in _read_checked(reader, old_partials).items()}
 
     changed: dict[Tile, bytes] = {}
+    full_nodes: dict[Tile, bytes] = {}
     blocks: list[bytes] = []  # full subtrees of the new root, smallest (rightmost) first
     appended = b"".join(new_leaf_hashes)  # new hashes at tree level 8*level
     level = 0
@@ -414,10 +575,13 @@ def integrate(old_size: int, new_leaf_hashes: Sequence[bytes], reader: TileReade
         for offset in range(0, len(buf), FULL_TILE_BYTES):
             chunk = buf[offset : offset + FULL_TILE_BYTES]
             width = len(chunk) // HASH_SIZE
+            tile = Tile(level, first_tile + offset // FULL_TILE_BYTES, width)
             if appended:
-                changed[Tile(level, first_tile + offset // FULL_TILE_BYTES, width)] = chunk
-            if width == TILE_WIDTH:
-                parents.append(_mth_aligned(chunk))
+                changed[tile] = chunk
+            if width == TILE_WIDTH:  # newly full: every full tile of buf is new
+                nodes = tile_nodes(chunk)
+                full_nodes[tile] = nodes
+                parents.append(nodes[-HASH_SIZE:])
             else:  # the new rightmost partial tile: its pieces of the root, right to left
                 pos = 0
                 pieces: list[bytes] = []
@@ -429,4 +593,4 @@ def integrate(old_size: int, new_leaf_hashes: Sequence[bytes], reader: TileReade
                 blocks.extend(reversed(pieces))
         appended = b"".join(parents)
         level += 1
-    return Integration(new_size, _fold(blocks[::-1]), changed)
+    return Integration(new_size, _fold(blocks[::-1]), changed, full_nodes)

@@ -11,7 +11,7 @@ The grants follow what each component's code does:
   ``envelopes``, ``fingerprints``), reads, disputes (open, comment, resolve, each a signed
   ``dispute_events`` leaf), the job outbox sweep after a dispute is opened, admin paths
   (``signing_keys``, ``api_keys``, ``reverification_policies``, ``audit_events``), and the
-  integrator where ``LEDGER_INTEGRATE_IN_API`` is on (``tiles``, ``log_tree``,
+  integrator where ``LEDGER_INTEGRATE_IN_API`` is on (``tiles``, ``tile_nodes``, ``log_tree``,
   ``checkpoints``).
 - ``ledger_beat`` (``ledger beat``, which runs the integrator too): the outbox sweeper
   (jobs, attempts of lost workers, routing events on disputes), re-verification windows
@@ -19,6 +19,11 @@ The grants follow what each component's code does:
 - ``ledger_worker`` (``ledger worker``): reads envelopes, keys, tiles and checkpoints;
   registers itself in ``workers`` and heartbeats; claims and finishes jobs; appends
   verdicts and worker-signed dispute events through the sequencer.
+- erasure (0015, docs/privacy.md): the API seals envelopes under ``data_keys`` it creates
+  and, on its admin erasure path, destroys them (``erasures``/``erased_keys`` leaves and
+  records); the beat destroys them for retention policies; workers read them to open
+  sealed envelopes. A trigger refuses a ``DELETE`` of a data key that no ``erased_keys``
+  row names and every ``UPDATE`` (``UPDATE (kek_id)`` is granted only for row locks).
 - ``ledger_auditor``: read-only (``api_keys`` too: the audit checks its rows against the
   registry leaves).
 
@@ -47,15 +52,24 @@ ROLES = tuple(COMPONENT_ROLES.values())
 #: where they exist, so 0008 runs before and after they are filled in.
 OPTIONAL_TABLES = frozenset({"admin_events", "checkpoint_cosignatures", "witness_status",
                              "alerts",  # 0009: webhook alerts
-                             "tokenizers", "console_sessions"})  # 0011: the console
+                             "tokenizers", "console_sessions",  # 0011: the console
+                             "tile_nodes",  # 0014: stored subtree hashes of full tiles
+                             "data_keys", "erasures", "erased_keys",  # 0015: erasure
+                             "retention_policies"})
 
 _SEQUENCER = ("SELECT", "UPDATE (size)")                # log_state: lock and advance
 _INTEGRATOR = {
     "log_tree": ("SELECT", "UPDATE (size, root_hash, updated_at)"),
     "tiles": ("SELECT", "INSERT", "UPDATE (data)"),      # upsert; a tile only grows
+    "tile_nodes": ("SELECT", "INSERT"),                  # a full tile's nodes never change
     "checkpoints": ("SELECT", "INSERT"),
     "checkpoint_cosignatures": ("SELECT", "INSERT"),
     "witness_status": ("SELECT", "INSERT", "UPDATE"),
+}
+#: 0015: erasure leaves and their key records (append-only; each erasure appends one leaf)
+_SEALING = {
+    "erasures": ("SELECT", "INSERT"),
+    "erased_keys": ("SELECT", "INSERT"),
 }
 _SWEEPER = {
     "workers": ("SELECT",),
@@ -89,6 +103,13 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "alerts": ("SELECT",),
         "tokenizers": ("SELECT", "INSERT"),                          # 0011: the console
         "console_sessions": ("SELECT", "INSERT", "DELETE"),
+        **_SEALING,
+        # 0015: the admin erasure path destroys data keys (a trigger allows a delete only
+        # for a key an erased_keys row of a signed erasure leaf names)
+        # UPDATE (kek_id) only for the row locks ingest (FOR SHARE) and erasure (FOR UPDATE)
+        # take; a trigger refuses every UPDATE of a data key
+        "data_keys": ("SELECT", "INSERT", "UPDATE (kek_id)", "DELETE"),
+        "retention_policies": ("SELECT", "INSERT", "UPDATE (enabled)", "DELETE"),
     },
     BEAT: {
         "alembic_version": ("SELECT",),
@@ -107,6 +128,10 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "reverification_runs": ("SELECT", "INSERT", "UPDATE (sampled)"),
         "alerts": ("SELECT", "INSERT",
                    "UPDATE (attempts, next_attempt_at, delivered_at, last_error)"),
+        # 0015: retention (erase what is older than a policy's window) runs from beat
+        **_SEALING,
+        "data_keys": ("SELECT", "UPDATE (kek_id)", "DELETE"),  # row locks, as for the API
+        "retention_policies": ("SELECT",),
     },
     WORKER: {
         "alembic_version": ("SELECT",),
@@ -116,6 +141,7 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "signing_keys": ("SELECT",),
         "admin_events": ("SELECT",),  # the registry leaves that vouch for producer keys
         "tiles": ("SELECT",),
+        "tile_nodes": ("SELECT",),
         "checkpoints": ("SELECT",),
         "checkpoint_cosignatures": ("SELECT",),
         "workers": ("SELECT", "INSERT", "UPDATE (last_heartbeat, stopped_at)"),
@@ -126,14 +152,19 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "disputes": ("SELECT", "UPDATE (state, state_reason, updated_at, verdict_id)"),
         "dispute_events": ("SELECT", "INSERT"),
         "verdicts": ("SELECT", "INSERT"),
+        # 0015: a worker opens sealed envelopes (and sees which were erased)
+        "data_keys": ("SELECT",),
+        "erasures": ("SELECT",),
+        "erased_keys": ("SELECT",),
     },
     AUDITOR: {t: ("SELECT",) for t in (
         "alembic_version", "log_state", "log_entries", "envelopes", "fingerprints",
         "signing_keys", "api_keys", "audit_events", "admin_events", "log_tree", "tiles",
-        "checkpoints", "checkpoint_cosignatures", "witness_status", "workers", "replay_jobs",
-        "replay_job_items", "job_attempts", "disputes", "dispute_events", "verdicts",
+        "tile_nodes", "checkpoints", "checkpoint_cosignatures", "witness_status", "workers",
+        "replay_jobs", "replay_job_items", "job_attempts", "disputes", "dispute_events",
+        "verdicts",
         "reverification_policies", "reverification_runs", "alerts", "tokenizers",
-        "console_sessions")},
+        "console_sessions", "data_keys", "erasures", "erased_keys", "retention_policies")},
 }
 
 def grant_statements(grants: Mapping[str, Mapping[str, tuple[str, ...]]] = GRANTS,

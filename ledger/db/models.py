@@ -9,12 +9,14 @@ TRUNCATE for everyone, owners included.
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
+    Date,
     DateTime,
     ForeignKey,
     Index,
@@ -49,7 +51,8 @@ NAMING_CONVENTION = {
 }
 
 APPEND_ONLY_TABLES = ("log_entries", "envelopes", "audit_events", "checkpoints",
-                      "dispute_events", "verdicts", "admin_events", "checkpoint_cosignatures")
+                      "dispute_events", "verdicts", "admin_events", "checkpoint_cosignatures",
+                      "erasures", "erased_keys")
 APP_ROLE = "ledger_app"
 
 
@@ -113,6 +116,8 @@ class Envelope(Base):
         # on request_id COLLATE "C" (0011); reflection shows the column, so it is named so
         Index("ix_envelopes_request_id_prefix", "request_id"),
         Index("ix_envelopes_model_name_lower", func.lower(text("model_name")), "log_index"),
+        # 0015: the envelopes sealed under one data key (sealed blob header)
+        Index("ix_envelopes_sealed_key", text("substring(dsse from 1 for 21)")),
     )
 
 
@@ -194,6 +199,17 @@ class TileRow(Base):
     data: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
     __table_args__ = (CheckConstraint("octet_length(data) BETWEEN 32 AND 8192 "
                                       "AND octet_length(data) % 32 = 0", name="data_len"),)
+
+
+class TileNodesRow(Base):
+    """The 255 subtree hashes inside each full tile (``ledger.core.tiles.tile_nodes``):
+    derived, never changed, checked against the signed root whenever a proof uses them."""
+
+    __tablename__ = "tile_nodes"
+    level: Mapped[int] = mapped_column(SmallInteger, primary_key=True, autoincrement=False)
+    idx: Mapped[int] = mapped_column(BigInteger, primary_key=True, autoincrement=False)
+    nodes: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    __table_args__ = (CheckConstraint("octet_length(nodes) = 8160", name="nodes_len"),)
 
 
 class CheckpointRow(Base):
@@ -505,3 +521,66 @@ class ConsoleSession(Base):
     csrf_token: Mapped[str] = mapped_column(Text, nullable=False)
     created_at: Mapped[datetime] = _now()
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), nullable=False)
+
+
+class DataKey(Base):
+    """A per-subject data key, wrapped by the key-encryption key (which is not in the
+    database). Scope: one data subject's envelopes of one channel, model and UTC day.
+    Deleting the row destroys the key (only with an erasure leaf: migration 0015)."""
+
+    __tablename__ = "data_keys"
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    data_subject: Mapped[str] = mapped_column(Text, nullable=False)
+    channel: Mapped[str] = mapped_column(Text, nullable=False)
+    model_sha256: Mapped[str] = mapped_column(Text, nullable=False)
+    day: Mapped[date] = mapped_column(Date, nullable=False, index=True)
+    wrapped: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    kek_id: Mapped[str] = mapped_column(Text, nullable=False)
+    created_at: Mapped[datetime] = _now()
+    __table_args__ = (UniqueConstraint("data_subject", "channel", "model_sha256", "day",
+                                       name="uq_data_keys_scope"),)
+
+
+class Erasure(Base):
+    """A signed erasure statement (a leaf of the log): which data keys were destroyed and
+    the tombstones of the envelopes sealed under them (append-only)."""
+
+    __tablename__ = "erasures"
+    log_index: Mapped[int] = mapped_column(BigInteger, ForeignKey("log_entries.idx"),
+                                           primary_key=True, autoincrement=False)
+    erasure_id: Mapped[str] = mapped_column(Text, nullable=False, unique=True)
+    kind: Mapped[str] = mapped_column(Text, nullable=False)
+    actor: Mapped[str] = mapped_column(Text, nullable=False)
+    data_subject_sha256: Mapped[str | None] = mapped_column(Text, index=True)
+    policy: Mapped[str | None] = mapped_column(Text)
+    body: Mapped[dict[str, Any]] = mapped_column(JSONB, nullable=False)
+    dsse: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    at: Mapped[datetime] = _now()
+    __table_args__ = (CheckConstraint("kind IN ('subject', 'retention')", name="kind"),)
+
+
+class ErasedKey(Base):
+    """Which erasure leaf destroyed which data key (append-only; audited against the
+    signed statement)."""
+
+    __tablename__ = "erased_keys"
+    key_id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    erasure_index: Mapped[int] = mapped_column(BigInteger, ForeignKey("erasures.log_index"),
+                                               nullable=False, index=True)
+    records: Mapped[int] = mapped_column(Integer, nullable=False)
+
+
+class RetentionPolicy(Base):
+    """Erase the envelopes older than ``erase_after_days`` (of a channel and/or model,
+    or all), run by ``ledger beat``."""
+
+    __tablename__ = "retention_policies"
+    id: Mapped[uuid.UUID] = mapped_column(UUID(as_uuid=True), primary_key=True)
+    name: Mapped[str] = mapped_column(Text, nullable=False, unique=True)
+    channel: Mapped[str | None] = mapped_column(Text)
+    model_sha256: Mapped[str | None] = mapped_column(Text)
+    erase_after_days: Mapped[int] = mapped_column(Integer, nullable=False)
+    enabled: Mapped[bool] = mapped_column(Boolean, nullable=False, server_default="true")
+    created_by: Mapped[str] = mapped_column(Text, nullable=False)
+    created_at: Mapped[datetime] = _now()
+    __table_args__ = (CheckConstraint("erase_after_days >= 1", name="erase_after_days"),)

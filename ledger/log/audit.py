@@ -21,7 +21,8 @@ What is checked, in one pass over the entries in index order:
    recomputed root must equal the checkpoint's, whose note must carry a valid signature
    by a log key (with ``trust``: only the trust policy's log keys, never rows of
    ``signing_keys``); successive checkpoints must be consistent;
-7. the stored tiles must equal the recomputed ones;
+7. the stored tiles must equal the recomputed ones, and so must the stored subtree hashes
+   of full tiles (``tile_nodes``) that proofs are built from;
 8. with ``against`` (checkpoints saved outside the database), each saved checkpoint's
    signature is checked and its root must equal the recomputed root at its size. This is
    what catches a history rewritten consistently by someone holding the log key, and a
@@ -55,9 +56,11 @@ from ledger.core.logentry import log_entry_bytes, parse_log_entry
 from ledger.core.merkle import EMPTY_ROOT, leaf_hash, verify_consistency
 from ledger.core.note import NoteVerifier, open_checkpoint
 from ledger.core.registry import RegisteredKey
+from ledger.core.sealing import KeyEncryptionKey
 from ledger.core.tiles import (
     FULL_TILE_BYTES,
     MemoryTileStore,
+    Tile,
     _mth_aligned,
     consistency_proof_from_tiles,
     integrate,
@@ -66,9 +69,10 @@ from ledger.core.tiles import (
 )
 from ledger.core.trust import TrustPolicy
 from ledger.db.session import session_scope
-from ledger.log.registry import vouched_keys
+from ledger.log.registry import _trusted_signers, vouched_keys
 from ledger.log.signer import log_verifiers
 from ledger.log.witnessing import audit_cosignatures, stored_cosignature_lines
+from ledger.privacy.audit import ErasureState, Opened, erasure_state
 from ledger.replay import views
 
 CHUNK = 5_000
@@ -83,6 +87,8 @@ class AuditReport:
     signatures_checked: int = 0
     records_checked: dict[str, int] = field(default_factory=dict)
     disputes_checked: int = 0
+    erased_records: int = 0  # envelopes checked against their erasure leaf's tombstone
+    sealed_records: int = 0  # envelopes stored encrypted (opened or erased)
     trusted: bool = False
     problems: list[str] = field(default_factory=list)
     first_bad_index: int | None = None
@@ -194,6 +200,18 @@ def _admin_view(dsse_bytes: bytes) -> dict[str, Any]:
         raise views.SignedRecordError(f"the signed admin event lacks {exc}") from None
 
 
+def _erasure_view(dsse_bytes: bytes) -> dict[str, Any]:
+    """The signed erasure statement (``ledger.core.erasure``): the row's ``body`` holds
+    the whole predicate."""
+    p = views.open_signed(dsse_bytes).statement["predicate"]
+    try:
+        return {"erasure_id": p["erasure_id"], "kind": p["kind"], "actor": p["actor"],
+                "data_subject_sha256": p.get("data_subject_sha256"),
+                "policy": p.get("policy"), "body": p, "at": views.parse_time(p["at"])}
+    except (KeyError, TypeError) as exc:
+        raise views.SignedRecordError(f"the signed erasure lacks {exc}") from None
+
+
 LEAF_KINDS: tuple[LeafKind, ...] = (
     LeafKind("envelope", "envelopes", "request_id", views.envelope_index,
              views.ENVELOPE_INDEX_FIELDS, lambda v: ("producer",),
@@ -207,6 +225,10 @@ LEAF_KINDS: tuple[LeafKind, ...] = (
     # Audited once its table exists (migration 0006, the registry work).
     LeafKind("admin_event", "admin_events", "event_id", _admin_view,
              ("event_id", "kind", "actor", "target", "body", "at"),
+             lambda v: ("ledger",)),
+    # Erasure leaves (migration 0015); what they say of envelopes: ledger.privacy.audit.
+    LeafKind("erasure", "erasures", "erasure_id", _erasure_view,
+             ("erasure_id", "kind", "actor", "data_subject_sha256", "policy", "body", "at"),
              lambda v: ("ledger",)),
 )
 """Every leaf kind of the log. One more kind is one more entry."""
@@ -316,7 +338,7 @@ def _check_record(report: AuditReport, spec: LeafKind, idx: int, entry: bytes,
                   ctx: _Context) -> bytes:
     """Audit one record (a ``_Stream`` row) against its entry; returns the entry
     recomputed from it."""
-    decoded = row[-1] if type(row[-1]) is _Decoded else None
+    decoded = row[-1] if type(row[-1]) in (_Decoded, Opened) else None
     if decoded is not None:
         row = row[:-1]
     dsse_bytes, ref = bytes(row[1]), row[2]
@@ -351,7 +373,9 @@ def _check_record(report: AuditReport, spec: LeafKind, idx: int, entry: bytes,
         for column, have, want in views.disagreements(rec, signed, spec.checked):
             report.fail(f"{where}: column {column} says {_show(have)}, the signed "
                         f"{spec.kind} says {_show(want)}", idx)
-    if keys is not None:
+    if keys is not None and type(decoded) is Opened and decoded.erased:
+        pass  # erased: its signed bytes are gone; its erasure leaf's signature vouches
+    elif keys is not None:
         allowed: dict[str, bytes] = {}
         for purpose in spec.signers(signed):
             allowed.update(keys.get(purpose, {}))
@@ -445,7 +469,8 @@ def audit(engine: Engine, origin: str, *, against: Iterable[tuple[str, bytes]] =
           signatures: bool = False, trust: TrustPolicy | None = None,
           kinds: tuple[LeafKind, ...] = LEAF_KINDS,
           progress: Callable[[int, int], None] | None = None,
-          workers: int = 0, since: bytes | None = None) -> AuditReport:
+          workers: int = 0, since: bytes | None = None,
+          kek: KeyEncryptionKey | None = None) -> AuditReport:
     """Audit the whole log, or with ``since`` what was added after a checkpoint audited
     before (:func:`_check_stored_tree` says what that checks). With ``trust``, checkpoints
     (stored and saved) count only when signed by one of ``trust.log_keys`` and dispute
@@ -474,17 +499,21 @@ def audit(engine: Engine, origin: str, *, against: Iterable[tuple[str, bytes]] =
     the tree rebuilt from the new entries on top of it must reach every later checkpoint's
     root (an RFC 9162 consistency proof from the stored tiles is verified as well).
     Rehashing the old entries and records is left to the full audit.
+
+    ``kek``: the key-encryption key, to open envelopes encrypted at rest; erased envelopes
+    are checked against their erasure leaf's tombstone (:mod:`ledger.privacy.audit`).
     """
     with contextlib.ExitStack() as stack:
         return _audit(engine, origin, against, witnessed, signatures, trust, kinds,
-                      progress, workers, stack, since)
+                      progress, workers, stack, since, kek)
 
 
 def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
            witnessed: Iterable[tuple[str, int, bytes]], signatures: bool,
            trust: TrustPolicy | None, kinds: tuple[LeafKind, ...],
            progress: Callable[[int, int], None] | None, workers: int,
-           stack: contextlib.ExitStack, since_note: bytes | None = None) -> AuditReport:
+           stack: contextlib.ExitStack, since_note: bytes | None = None,
+           kek: KeyEncryptionKey | None = None) -> AuditReport:
     report = AuditReport(trusted=trust is not None)
     if trust is not None:
         origin = trust.origin
@@ -514,6 +543,10 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
         keys = _signing_keys(session, trust, vouched) if signatures else None
         conn = session.connection().connection.driver_connection
         assert conn is not None
+        erasures: ErasureState | None = None
+        if any(k.kind == "envelope" for k in kinds):
+            with conn.cursor() as cur:
+                erasures = erasure_state(cur, _trusted_signers(session, trust)[0], kek)
         with conn.cursor() as cur:
             cur.execute("SELECT tree_size, root_hash, note FROM checkpoints "
                         "WHERE tree_size >= %s ORDER BY tree_size", (start,))
@@ -527,6 +560,10 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
         with conn.cursor(binary=True) as bcur:  # 32 MiB of tiles per 1M entries, not hex
             bcur.execute("SELECT level, idx, data FROM tiles")
             stored_tiles = {(r[0], r[1]): bytes(r[2]) for r in bcur.fetchall()}
+            stored_nodes: dict[tuple[int, int], bytes] = {}
+            if _table_exists(bcur, "tile_nodes"):  # 0014; as much again, of full tiles
+                bcur.execute("SELECT level, idx, nodes FROM tile_nodes")
+                stored_nodes = {(r[0], r[1]): bytes(r[2]) for r in bcur.fetchall()}
         by_kind = {k.kind: k for k in present}
         absent_kinds = {k.kind for k in LEAF_KINDS} - set(by_kind)
         saved = []
@@ -604,6 +641,7 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
                 take = min(len(pending), limit - size)
                 res = integrate(size, pending[:take], store)
                 store.write_tiles(res.tiles)
+                store.write_nodes(res.nodes)
                 size = res.size
                 pending = pending[take:]
                 roots[size] = res.root
@@ -615,7 +653,9 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
                 workers, mp_context=multiprocessing.get_context("spawn")))
         for spec in present:
             rows = _record_stream(conn, spec, start)
-            if pool is not None and spec.values is not None:
+            if spec.kind == "envelope" and erasures is not None:
+                rows = erasures.open_rows(rows)  # sealed content opened, erased: tombstones
+            elif pool is not None and spec.values is not None:
                 rows = _decoded_in(pool, rows)
             streams.append(_Stream(spec, rows))
 
@@ -669,6 +709,13 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
         flush_to(size + len(pending))
         report.entries = expected - start
         report.tree_size = size
+        if erasures is not None:
+            extra = erasures.problems + (erasures.unmatched_tombstones() if since is None
+                                         else [])
+            for index, message in extra:
+                report.fail(f"erasure: {message}", index)
+            report.erased_records = erasures.erased_records
+            report.sealed_records = erasures.sealed_records
         if "envelope" in by_kind and len(kinds) > 1:
             with conn.cursor() as cur:
                 _check_subjects(report, cur, ctx)
@@ -699,6 +746,7 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
         report.fail("log_tree does not match the latest checkpoint")
     _check_tiles(report, stored_tiles, store,
                  min(db_cps[-1].size if db_cps else 0, report.tree_size), start)
+    _check_tile_nodes(report, stored_nodes, store, start)
     return report
 
 
@@ -848,6 +896,32 @@ def _check_tiles(report: AuditReport, stored: dict[tuple[int, int], bytes],
             return
 
 
+
+
+def _check_tile_nodes(report: AuditReport, stored: dict[tuple[int, int], bytes],
+                      store: MemoryTileStore, start: int = 0) -> None:
+    """The stored subtree hashes of full tiles (``tile_nodes``, what proofs are built
+    from) must equal those of the recomputed tree. With ``start`` (``--since``) only the
+    tiles that became full after it are recomputed; the older rows are left to the full
+    audit (and every proof built from them is verified against the signed root before it
+    is served). A row for a tile that is not full in the audited tree is reported too."""
+    recomputed = store.nodes()
+    before = {(t.level, t.index) for t in tiles_for_size(start) if not t.is_partial}
+    for key in sorted(stored, key=lambda k: (k[1] << (8 * k[0]), k[0])):
+        if key in before:
+            continue
+        level, idx = key
+        lo = (idx * 256) << (8 * level)
+        want = recomputed.get(key)
+        if want is None:
+            report.fail(f"stored subtree hashes of tile/{level}/{idx}: not a full tile of "
+                        "the audited tree", lo)
+            return
+        if stored[key] != want:
+            report.fail(f"stored subtree hashes of {Tile(level, idx).path} (tile_nodes) "
+                        "differ from the recomputed tree: proofs of entries "
+                        f"{lo}..{lo + (256 << (8 * level)) - 1} are refused", lo)
+            return
 
 
 def _check_stored_tree(report: AuditReport, stored: dict[tuple[int, int], bytes],

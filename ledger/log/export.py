@@ -12,28 +12,28 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
 from ledger.core.bundle import FORMAT, header_bytes
 from ledger.core.keys import public_raw
 from ledger.core.note import format_verifier_key
+from ledger.core.sealing import KeyEncryptionKey
 from ledger.core.statements import bundle_statement
-from ledger.core.tiles import Tile, inclusion_proof_from_tiles
 from ledger.db.models import SigningKey
 from ledger.db.session import raw_connection
-from ledger.errors import BadRequest
-from ledger.log.proofs import NotYetIntegrated
+from ledger.errors import BadRequest, Conflict
+from ledger.log.proofs import BundleProofs, NotYetIntegrated
 from ledger.log.signer import log_verifiers
-from ledger.log.store import PgTileReader
 from ledger.log.witnessing import export_checkpoint
+from ledger.privacy.keys import ErasedContent, Opener, kek_from_settings
 from ledger.producer import sign_statement
 from ledger.replay.records import Signer, require_signer
 from ledger.settings import get_settings
@@ -55,21 +55,6 @@ class Selection:
                 if v not in (None, [], ())}
 
 
-class CachingTileReader:
-    """Tiles near the top of the tree serve every proof of an export: read each once."""
-
-    def __init__(self, inner: PgTileReader) -> None:
-        self.inner = inner
-        self.cache: dict[Tile, bytes] = {}
-
-    def read_tiles(self, tiles: Sequence[Tile]) -> list[bytes]:
-        missing = [t for t in tiles if t not in self.cache]
-        if missing:
-            for t, data in zip(missing, self.inner.read_tiles(missing), strict=True):
-                self.cache[t] = data
-        return [self.cache[t] for t in tiles]
-
-
 def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode()
 
@@ -83,10 +68,14 @@ def key_records(session: Session) -> list[dict[str, Any]]:
             for k in rows]
 
 
-def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = None
-                 ) -> Iterator[bytes]:
+def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = None,
+                 kek: KeyEncryptionKey | None = None) -> Iterator[bytes]:
     """Yield the bundle line by line (newline-terminated bytes). ``signer`` is the ledger's
-    service key (default: LEDGER_SERVICE_KEY_FILE); without one nothing is exported."""
+    service key (default: LEDGER_SERVICE_KEY_FILE); without one nothing is exported.
+    Envelopes encrypted at rest are opened with ``kek`` (default: LEDGER_KEK_FILE); an
+    erased one travels as a tombstone line, after the erasure records that state it."""
+    if kek is None:
+        kek = kek_from_settings(get_settings())
     if signer is None:
         signer = Signer.from_file(get_settings().service_key_file, "ledger", "ledger-service")
     signer = require_signer(signer, "an export (its manifest is signed)")
@@ -121,8 +110,10 @@ def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = N
         parts = [
             ("admin_event", "SELECT a.log_index, a.event_id, a.dsse FROM admin_events a "
                             "WHERE a.log_index < %s"),
-            ("envelope", f"SELECT v.log_index, v.request_id, v.dsse FROM envelopes v "  # noqa: S608
-                         f"JOIN ({sel}) s USING (log_index)"),
+            ("erasure", "SELECT x.log_index, x.erasure_id, x.dsse FROM erasures x "
+                        "WHERE x.log_index < %s"),
+            ("envelope", f"SELECT v.log_index, v.request_id, v.dsse, v.dsse_sha256 "  # noqa: S608
+                         f"FROM envelopes v JOIN ({sel}) s USING (log_index)"),
             ("verdict", f"SELECT r.log_index, r.verdict_id, r.dsse FROM verdicts r "  # noqa: S608
                         f"JOIN ({sel}) s ON s.log_index = r.envelope_index "
                         f"WHERE r.log_index < %s"),
@@ -132,28 +123,47 @@ def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = N
                               f"JOIN ({sel}) s ON s.log_index = d.envelope_index "
                               f"WHERE e.log_index < %s"),
         ]
+        if len(where) == 1 and not limit:
+            # The whole log: the same records, each table read in index order (a join of
+            # every envelope with itself would sort the whole log's DSSE bytes first).
+            in_log = ("EXISTS (SELECT 1 FROM envelopes v WHERE v.log_index = {col} "
+                      "AND v.log_index < %s)")
+            verdicts_in = in_log.format(col="r.envelope_index")
+            events_in = in_log.format(col="d.envelope_index")
+            whole = {
+                "envelope": "SELECT v.log_index, v.request_id, v.dsse, v.dsse_sha256 "
+                            "FROM envelopes v WHERE v.log_index < %s",
+                "verdict": "SELECT r.log_index, r.verdict_id, r.dsse "  # noqa: S608
+                           f"FROM verdicts r WHERE {verdicts_in} AND r.log_index < %s",
+                "dispute_event": "SELECT e.log_index, e.event_id, e.dsse "  # noqa: S608
+                                 "FROM dispute_events e JOIN disputes d "
+                                 f"ON d.id = e.dispute_id WHERE {events_in} "
+                                 "AND e.log_index < %s",
+            }
+            parts = [(kind, whole.get(kind, query)) for kind, query in parts]
         digest = hashlib.sha256()
         count = 0
         with tempfile.TemporaryFile() as spool:
-            reader = CachingTileReader(PgTileReader(conn.cursor()))
+            proofs = BundleProofs(conn.cursor(), cp)
+            opener = Opener(conn.cursor(), kek)
             for n, (kind, query) in enumerate(parts):
-                args = {"admin_event": [cp.tree_size], "envelope": params}.get(
-                    kind, [*params, cp.tree_size])
-                with conn.cursor(name=f"export_{n}") as rows:
+                args = {"admin_event": [cp.tree_size], "erasure": [cp.tree_size],
+                        "envelope": params}.get(kind, [*params, cp.tree_size])
+                with conn.cursor(name=f"export_{n}", binary=True) as rows:
                     rows.itersize = 2000
                     rows.execute(f"{query} ORDER BY 1", args)
-                    for log_index, ref, dsse_bytes in rows:
-                        proof = inclusion_proof_from_tiles(log_index, cp.tree_size, reader)
-                        line = (b'{"log_index":%d,"kind":"%s","ref":%s,"dsse":%s,'
+                    for log_index, ref, dsse_bytes, *dsse_sha256 in rows:
+                        member = b'"dsse":%s' % bytes(dsse_bytes)
+                        if dsse_sha256:  # an envelope: open it, or its tombstone if erased
+                            member = _envelope_member(opener, bytes(dsse_bytes),
+                                                      bytes(dsse_sha256[0]), log_index)
+                        line = (b'{"log_index":%d,"kind":"%s","ref":%s,%s,'
                                 b'"inclusion_proof":%s}\n' % (
-                                    log_index, kind.encode(), json.dumps(ref).encode(),
-                                    bytes(dsse_bytes),
-                                    json.dumps([_b64(h) for h in proof]).encode()))
+                                    log_index, kind.encode(), orjson.dumps(ref),
+                                    member, proofs.proof_json(log_index)))
                         digest.update(line)
                         spool.write(line)
                         count += 1
-                    if len(reader.cache) > 100_000:
-                        reader.cache.clear()
             manifest = {
                 "format": FORMAT, "origin": origin, "checkpoint": cp.note.decode(),
                 "log_keys": [format_verifier_key(v.name, v.public_key)
@@ -167,3 +177,16 @@ def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = N
             yield header_bytes(count, sign_statement(statement, signer.key)) + b"\n"
             spool.seek(0)
             yield from spool
+
+
+def _envelope_member(opener: Opener, stored: bytes, digest: bytes, log_index: int) -> bytes:
+    """``"dsse":<the DSSE bytes>`` (opened where encrypted at rest), or
+    ``"tombstone":{...}`` for an erased envelope."""
+    try:
+        return b'"dsse":%s' % opener.open(stored, digest, log_index)
+    except ErasedContent as erased:
+        if erased.tombstone is None:
+            raise Conflict(f"the envelope at log index {log_index} is unreadable: "
+                           f"{erased.reason}; run `ledger audit`",
+                           code="unreadable_record") from None
+        return b'"tombstone":%s' % orjson.dumps(erased.tombstone.served())

@@ -2,9 +2,10 @@
 
 One integration is one transaction: read the entries after the integrated size (at most
 ``max_entries``), recompute their leaf hashes from the stored entry bytes, compute the new
-tiles and root, store the tiles, sign and insert the checkpoint, and move ``log_tree``
-forward. Killing the process at any point therefore loses nothing and can never publish a
-checkpoint that disagrees with stored entries: either all of it commits or none of it.
+tiles and root, store the tiles (and the subtree hashes of the tiles that became full),
+sign and insert the checkpoint, and move ``log_tree`` forward. Killing the process at any
+point therefore loses nothing and can never publish a checkpoint that disagrees with
+stored entries: either all of it commits or none of it.
 
 Any number of processes may run it; ``FOR UPDATE SKIP LOCKED`` on the ``log_tree`` row
 lets exactly one integrate at a time while the others move on.
@@ -28,7 +29,7 @@ from ledger.db.session import raw_cursor, session_scope
 from ledger.log import store
 from ledger.log.signer import LogSigner
 from ledger.log.sink import CheckpointSink
-from ledger.log.store import PgTileReader, write_tiles
+from ledger.log.store import PgTileReader, write_tile_nodes, write_tiles
 
 if TYPE_CHECKING:
     from ledger.log.witnessing import WitnessLoop
@@ -78,6 +79,7 @@ def integrate_once(engine: Engine, signer: LogSigner, *, max_entries: int = 20_0
             raise IntegrityError_(f"log entries {tree_size}..{stop - 1} are not all stored")
         result = integrate(tree_size, hashes, PgTileReader(cur, cache=None))
         write_tiles(cur, result.tiles)
+        write_tile_nodes(cur, result.nodes)
         note = signer.sign(result.size, result.root)
         store.publish_checkpoint(cur, result.size, result.root, note)
     published = Published(result.size, result.root, note, len(hashes))

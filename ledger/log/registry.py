@@ -31,6 +31,7 @@ from ledger.core.statements import (
     api_key_record,
     gate_record,
     policy_record,
+    retention_record,
     run_record,
     signing_key_record,
     timestamp,
@@ -40,6 +41,7 @@ from ledger.db.models import (
     AdminEvent,
     ApiKey,
     LogEntry,
+    RetentionPolicy,
     ReverificationPolicy,
     ReverificationRun,
     SigningKey,
@@ -56,6 +58,8 @@ __all__ = [
     "key_event",
     "policy_event",
     "registry_from_leaves",
+    "retention_event",
+    "retention_vouched",
     "run_event",
     "vouched_keys",
 ]
@@ -66,7 +70,8 @@ def append_admin_event(session: Session, signer: Signer, *, kind: str, actor: st
                        api_key: Mapping[str, Any] | None = None,
                        policy: Mapping[str, Any] | None = None,
                        run: Mapping[str, Any] | None = None,
-                       gate: Mapping[str, Any] | None = None) -> AdminEvent:
+                       gate: Mapping[str, Any] | None = None,
+                       retention: Mapping[str, Any] | None = None) -> AdminEvent:
     """Sign an admin event with the service key and append it as a log leaf; the caller's
     transaction holds the table change it records."""
     if signer.purpose != "ledger":
@@ -75,7 +80,7 @@ def append_admin_event(session: Session, signer: Signer, *, kind: str, actor: st
     at = datetime.now(UTC)
     statement = admin_event_statement(event_id=event_id, kind=kind, actor=actor, at=at,
                                       key=key, api_key=api_key, policy=policy, run=run,
-                                      gate=gate)
+                                      gate=gate, retention=retention)
     appended = append_signed(session, "admin_event", event_id, statement, signer)
     pred = statement["predicate"]
     row = AdminEvent(log_index=appended.log_index, event_id=event_id, kind=kind, actor=actor,
@@ -120,6 +125,47 @@ def gate_event(row: ReverificationRun) -> dict[str, Any]:
                        model_sha256=str(d.get("model_sha256")),
                        baseline_fingerprint=str(d.get("baseline_fingerprint")),
                        sampled=row.sampled)
+
+
+def retention_event(row: RetentionPolicy) -> dict[str, Any]:
+    return retention_record(id=str(row.id), name=row.name, channel=row.channel,
+                            model_sha256=row.model_sha256,
+                            erase_after_days=row.erase_after_days, enabled=row.enabled,
+                            created_by=row.created_by, created_at=row.created_at)
+
+
+def retention_vouched(session: Session, row: RetentionPolicy,
+                      trusted: Mapping[str, bytes]) -> str | None:
+    """Why the beat must not erase by ``row``, or None: its ``retention.created`` leaf must
+    be in the log, signed by one of ``trusted`` (keyid -> public key), and state exactly
+    the row. Erasure cannot be undone, so this is checked before, not only by audit."""
+    from ledger.core.registry import check_retention_record
+
+    found = session.execute(
+        select(AdminEvent.dsse, AdminEvent.event_id, LogEntry.entry)
+        .join(LogEntry, LogEntry.idx == AdminEvent.log_index)
+        .where(AdminEvent.target == str(row.id), AdminEvent.kind == "retention.created")
+    ).all()
+    if len(found) != 1:
+        return "it has no single retention.created leaf in the log"
+    dsse_bytes, event_id, entry = bytes(found[0][0]), found[0][1], bytes(found[0][2])
+    if entry != log_entry_bytes("admin_event", event_id,
+                                hashlib.sha256(dsse_bytes).hexdigest()):
+        return "its leaf's log entry does not commit to the stored signed event"
+
+    def public_key_for(kid: str) -> bytes:
+        if kid not in trusted:
+            raise KeyError_(f"key {kid} is not a trusted service key", code="unknown_key")
+        return trusted[kid]
+
+    try:
+        pred = open_admin_event(dsse.envelope_from_json(dsse_bytes), public_key_for).predicate
+        stated = check_retention_record(pred)
+    except (LedgerError, KeyError) as exc:
+        return f"its leaf does not verify: {exc.message if isinstance(exc, LedgerError) else exc}"
+    if dict(stated) != retention_event(row):
+        return "its row differs from the policy its signed leaf states"
+    return None
 
 
 def _trusted_signers(session: Session, trust: TrustPolicy | None) -> tuple[dict[str, bytes],
@@ -316,6 +362,22 @@ def _policy_problems(session: Session, registry: Registry) -> list[Problem]:
         if rid not in seen_runs:
             problems.append((reg_run.index, f"the leaf at log index {reg_run.index} claims "
                              f"re-verification run {rid}, which reverification_runs lacks"))
+    seen_retention: set[str] = set()
+    for ret in session.scalars(select(RetentionPolicy).order_by(RetentionPolicy.created_at)):
+        rid = str(ret.id)
+        seen_retention.add(rid)
+        what = f"retention policy {rid} ({ret.name!r})"
+        reg_ret = registry.retention.get(rid)
+        if reg_ret is None:
+            problems.append((None, f"{what} has no creation leaf signed by a trusted "
+                                   "service key"))
+            continue
+        for name, value in retention_event(ret).items():
+            _differs(problems, reg_ret.index, what, name, value, reg_ret.record[name])
+    for rid, reg_ret in registry.retention.items():
+        if rid not in seen_retention:
+            problems.append((reg_ret.index, f"the leaf at log index {reg_ret.index} creates "
+                             f"retention policy {rid}, which retention_policies lacks"))
     for gid, reg_gate in registry.gates.items():
         if gid not in seen_runs:
             problems.append((reg_gate.index, f"the leaf at log index {reg_gate.index} claims "

@@ -46,7 +46,29 @@ def tick(engine: Engine, publisher: Publisher | None, settings: Settings,
     from ledger.replay import alerts
 
     out.update(alerts.tick(engine, settings, signer))  # with LEDGER_WEBHOOK_URL only
+    out["erasures"] = _retention(engine, settings, signer)
     return out
+
+
+def _retention(engine: Engine, settings: Settings, signer: Signer | None) -> int:
+    """Retention policies (docs/privacy.md): erase what is older than each window. Needs
+    the service key (each erasure is a signed leaf) and the KEK."""
+    from ledger.db.session import session_scope
+    from ledger.privacy import erasure
+    from ledger.privacy.keys import kek_from_settings
+
+    kek = kek_from_settings(settings)
+    if signer is None or kek is None:
+        return 0
+    trusted = None
+    if settings.trust_policy_file is not None:  # the policy's service keys, not only ours
+        from ledger.core.keys import key_id
+        from ledger.core.trust import load_trust_policy
+
+        keys = load_trust_policy(settings.trust_policy_file).service_keys
+        trusted = {key_id(bytes(k)): bytes(k) for k in keys}
+    with session_scope(engine) as session:
+        return len(erasure.run_retention(session, signer, kek, trusted=trusted))
 
 
 def _until_next_tick(driver: Any, woken: threading.Event, interval_s: float,

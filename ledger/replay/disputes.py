@@ -59,7 +59,8 @@ def emit(session: Session, dispute: Dispute, kind: str, actor: str, signer: Sign
 
 
 def open_dispute(session: Session, *, request_id: str, reason: str, priority: str, actor: str,
-                 signer: Signer, idempotency_key: str | None = None) -> tuple[Dispute, bool]:
+                 signer: Signer, idempotency_key: str | None = None,
+                 assertions: Mapping[str, Any] | None = None) -> tuple[Dispute, bool]:
     """Open a dispute; (dispute, created). A retry with the same idempotency key, or a
     second dispute on a record that already has an unresolved one, returns that one."""
     if idempotency_key:
@@ -92,7 +93,10 @@ def open_dispute(session: Session, *, request_id: str, reason: str, priority: st
         if winner is None:
             raise
         return winner, False
-    emit(session, dispute, "opened", actor, signer, {"reason": reason, "priority": priority})
+    body: dict[str, Any] = {"reason": reason, "priority": priority}
+    if assertions is not None:   # a vendor record's semantic check (workers.semantic)
+        body["assertions"] = dict(assertions)
+    emit(session, dispute, "opened", actor, signer, body)
     return dispute, True
 
 

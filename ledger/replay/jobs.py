@@ -51,6 +51,12 @@ def worker_command(runtime: dict[str, Any] | None) -> str:
     """The commands that print and then serve ``runtime``'s fingerprint on a node like it
     (the options `ledger fingerprint` and `ledger worker` share)."""
     runtime = runtime or {}
+    engine = str(runtime.get("engine") or "")
+    if engine.startswith("vendor:"):        # a vendor record (ledger.core.vendor)
+        return (f"a vendor worker for {engine.removeprefix('vendor:')!r} runs it: "
+                f"`LEDGER_VENDOR_NAME={engine.removeprefix('vendor:')} "
+                "LEDGER_VENDOR_BASE_URL=... LEDGER_VENDOR_API_KEY_FILE=... "
+                "ledger worker --vendor`")
     opts = []
     if runtime.get("engine") not in (None, "reference"):
         opts.append(f"--engine {runtime['engine']}")

@@ -280,3 +280,11 @@ def run_report(session: Session, run_id: str) -> dict[str, Any]:
     """A run's report: counts per outcome, drift per fingerprint and model, the diverged
     requests (:func:`ledger.replay.reverification.report`)."""
     return reverification.report(session, run_id)
+
+
+def semantic_pass_rates(session: Session, **filters: Any) -> list[dict[str, Any]]:
+    """Pooled pass rates of semantic verdicts over time
+    (:func:`ledger.replay.semantic.pass_rate_series`)."""
+    from ledger.replay.semantic import pass_rate_series
+
+    return pass_rate_series(session, **filters)

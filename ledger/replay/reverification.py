@@ -35,6 +35,7 @@ from ledger.db.session import session_scope
 from ledger.errors import NotFound
 from ledger.replay import jobs
 from ledger.replay.records import Signer
+from ledger.replay.semantic import semantic_groups
 from ledger.settings import Settings
 
 JOB_BATCH = 32          # envelopes per replay job
@@ -195,6 +196,8 @@ def report(session: Session, run_id: str) -> dict[str, Any]:
         "counts": dict(outcomes), "tiers": dict(tiers),
         "drift": per_group, "diverged": diverged,
         "summary": comparison_summary([v.details for v in verdicts]),
+        # vendor records: pooled pass rates per (vendor, model alias) (tier semantic)
+        "semantic": semantic_groups(verdicts),
     }
     if run.kind == "gate":
         out["gate"] = {"new_fingerprint": run.details.get("new_fingerprint"),

@@ -200,11 +200,39 @@ def envelope_values(dsse_bytes: bytes, dsse_sha256: str) -> tuple[Any, ...]:
                 _runtime_fingerprint_of(runtime), len(p.prompt_token_ids),
                 len(p.output.token_ids), [s.keyid for s in stored.signatures], dsse_sha256)
     except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
+        vendor = _vendor_envelope_values(dsse_bytes, dsse_sha256)
+        if vendor is not None:
+            return vendor
         raise SignedRecordError(f"the signed envelope does not give its index fields: "
                                 f"{exc}") from None
     except TypeError as exc:  # len() of a count that is no list
         raise SignedRecordError(f"the signed envelope has a field of the wrong type: "
                                 f"{exc}") from None
+
+
+def _vendor_envelope_values(dsse_bytes: bytes, dsse_sha256: str) -> tuple[Any, ...] | None:
+    """:func:`envelope_values` of a v2 (vendor) envelope, validated whole (the vendor
+    channel is rare enough not to need the fast path); None for any other payload."""
+    from ledger.core.envelope import VENDOR_ENVELOPE_PREDICATE_TYPE
+    from ledger.core.errors import ValidationFailed
+    from ledger.core.vendor import validate_vendor_statement, vendor_index_fields
+
+    try:
+        stored = _read_stored_envelope(dsse_bytes)
+        statement = orjson.loads(stored.payload)
+    except (msgspec.ValidationError, msgspec.DecodeError, orjson.JSONDecodeError,
+            RecursionError):
+        return None
+    if not isinstance(statement, dict) \
+            or statement.get("predicateType") != VENDOR_ENVELOPE_PREDICATE_TYPE:
+        return None
+    try:
+        f = vendor_index_fields(validate_vendor_statement(statement))
+    except ValidationFailed as exc:
+        raise SignedRecordError(f"the signed vendor envelope is invalid: {exc}") from None
+    return (f.request_id, f.recorded_at, f.channel, f.tier, f.model_sha256, f.model_name,
+            f.fingerprint_id, f.prompt_tokens, f.output_tokens,
+            [s.keyid for s in stored.signatures], dsse_sha256)
 
 
 def envelope_index(dsse_bytes: bytes) -> dict[str, Any]:

@@ -108,7 +108,50 @@ def settings_problems(settings: Settings, component: str, *,
     for field, path in _key_files(component, settings, worker_key).items():
         problems += _key_file_problems(field, path)
     problems += trust_problems(settings, component)
+    problems += kek_problems(settings, component)
     return problems
+
+
+KEK_COMPONENTS = ("serve", "beat", "worker")
+
+
+def kek_problems(settings: Settings, component: str) -> list[Problem]:
+    """``LEDGER_KEK_FILE`` (docs/privacy.md) must hold a 256-bit key where it is set."""
+    if settings.kek_file is None or component not in KEK_COMPONENTS:
+        return []
+    from ledger.privacy.keys import kek_from_settings
+
+    try:
+        kek_from_settings(settings)
+    except OSError as exc:
+        return [_p("kek_file", f"{settings.kek_file}: cannot be read ({exc.strerror})")]
+    except ValueError as exc:
+        return [_p("kek_file", f"{settings.kek_file}: {exc}")]
+    return []
+
+
+def _kek_database_problems(settings: Settings, engine: Engine) -> list[Problem]:
+    """Data keys in the database need this KEK: present, and the one that wrapped them."""
+    from sqlalchemy import text
+
+    from ledger.privacy.keys import kek_from_settings
+
+    with engine.connect() as conn:
+        ids = [r[0] for r in conn.execute(text(
+            "SELECT DISTINCT kek_id FROM data_keys LIMIT 5")).all()]
+    if not ids:
+        return []
+    try:
+        kek = kek_from_settings(settings)
+    except (OSError, ValueError):
+        return []  # reported by kek_problems
+    if kek is None:
+        return [_p("kek_file", "is not set, but the database holds envelopes encrypted at "
+                   "rest: set it to the key-encryption key (docs/privacy.md)")]
+    if kek.kek_id not in ids:
+        return [_p("kek_file", f"this KEK (id {kek.kek_id}) did not wrap the database's data "
+                   f"keys (KEK ids {', '.join(sorted(ids))}): wrong key file?")]
+    return []
 
 
 def _key_file_problems(field: str, path: Path) -> list[Problem]:
@@ -169,6 +212,8 @@ def database_problems(settings: Settings, engine: Engine, component: str, *,
             return problems
     problems += _registered_problems(settings, engine, component, worker_key, register_key)
     problems += _log_name_problems(settings, engine)
+    if component in KEK_COMPONENTS:
+        problems += _kek_database_problems(settings, engine)
     if component == "worker" and not problems:
         problems += _trusted_checkpoint_problems(settings, engine)
     return problems

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ledger.core.assertions import assertion_set_json, parse_assertion_set
+from ledger.core.errors import ValidationFailed
 from ledger.core.states import JobState
-from ledger.db.models import Dispute, DisputeEvent
+from ledger.db.models import Dispute, DisputeEvent, Envelope
 from ledger.replay import disputes as dispute_records
 from ledger.replay import jobs as job_service
 from ledger.replay.records import Signer
@@ -43,13 +47,24 @@ def actor_of(principal: Principal) -> str:
 
 def open_dispute(session: Session, principal: Principal, signer: Signer, settings: Settings,
                  *, request_id: str, reason: str, priority: str,
-                 idempotency_key: str | None = None) -> Opened:
+                 idempotency_key: str | None = None,
+                 assertions: dict[str, Any] | None = None) -> Opened:
     """Open a dispute on a recorded request and make the replay job for it: queued when a
     worker with the record's fingerprint is live, else awaiting one (the sweeper routes
-    it once one is)."""
+    it once one is). ``assertions`` (vendor records only): the set the semantic
+    verification checks, signed into the opened event."""
+    checked = None
+    if assertions is not None:
+        checked = assertion_set_json(parse_assertion_set(assertions))
+        channel = session.scalar(select(Envelope.channel).where(
+            Envelope.request_id == request_id))
+        if channel is not None and channel != "vendor":
+            raise ValidationFailed("assertions apply to vendor records (tier semantic) only",
+                                   code="assertions_not_applicable")
     dispute, created = dispute_records.open_dispute(
         session, request_id=request_id, reason=reason, priority=priority,
-        actor=actor_of(principal), signer=signer, idempotency_key=idempotency_key)
+        actor=actor_of(principal), signer=signer, idempotency_key=idempotency_key,
+        assertions=checked)
     if not created:
         return Opened(dispute, OpenOutcome.EXISTING)
     job = job_service.create_job(

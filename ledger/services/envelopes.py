@@ -9,8 +9,12 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from ledger.core.erasure import Tombstone
+from ledger.core.sealing import KeyEncryptionKey
 from ledger.db.models import Envelope
-from ledger.errors import NotFound
+from ledger.db.session import raw_cursor
+from ledger.errors import Gone, NotFound
+from ledger.privacy.keys import ErasedContent, Opener
 from ledger.replay import views
 from ledger.services.pagination import KeyKind, Page, SortKey, page, query_digest
 
@@ -26,6 +30,37 @@ def _index_dict(row: Any) -> dict[str, Any]:
     d = dict(row._mapping)
     d["dsse_sha256"] = bytes(d["dsse_sha256"]).hex()
     return d
+
+
+def open_stored(session: Session, stored: bytes, fields: dict[str, Any],
+                kek: KeyEncryptionKey | None) -> bytes:
+    """The DSSE bytes of a stored envelope (its index ``fields`` name digest and index)."""
+    with raw_cursor(session) as cur:
+        try:
+            return Opener(cur, kek).open(stored, bytes.fromhex(fields["dsse_sha256"]),
+                                         fields["log_index"])
+        except ErasedContent as erased:
+            tomb = erased.tombstone
+            raise Gone(f"the content of envelope {fields['request_id']!r} was erased: "
+                       f"{erased.reason}",
+                       tombstone=tomb.served() if tomb is not None else None,
+                       index=_jsonable(fields) if tomb is None
+                       else _tombstone_index(fields, tomb)) from None
+
+
+def _jsonable(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in fields.items()}
+
+
+def _tombstone_index(fields: dict[str, Any], tomb: Tombstone) -> dict[str, Any]:
+    """The index fields served with a tombstone: from the signed erasure leaf (the
+    columns of an erased record can no longer be checked against its envelope)."""
+    out = {k: v for k, v in tomb.fields.items()}
+    out["recorded_at"] = tomb.fields["recorded_at"].isoformat()
+    out["log_index"] = tomb.log_index
+    out["ingested_at"] = fields["ingested_at"].isoformat() if fields.get("ingested_at") \
+        else None
+    return out
 
 
 def get_envelope(session: Session, request_id: str) -> tuple[bytes, dict[str, Any]]:
@@ -93,8 +128,12 @@ class EnvelopeView:
         return statement
 
 
-def envelope_view(session: Session, request_id: str) -> EnvelopeView:
-    dsse_bytes, fields = get_envelope(session, request_id)
+def envelope_view(session: Session, request_id: str,
+                  kek: KeyEncryptionKey | None = None) -> EnvelopeView:
+    """The envelope as served; sealed content is opened with ``kek``
+    (:mod:`ledger.privacy.keys`). An erased one raises :class:`Gone` with its tombstone."""
+    stored, fields = get_envelope(session, request_id)
+    dsse_bytes = open_stored(session, stored, fields, kek)
     try:
         integrity = views.integrity(fields, views.envelope_index(dsse_bytes),
                                     views.ENVELOPE_INDEX_FIELDS)

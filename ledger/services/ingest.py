@@ -1,10 +1,14 @@
 """Envelope ingest: verify over the exact bytes, validate, then sequence and store.
 
-Sequencing: every accepted envelope gets the next log index. The ``log_state`` row is
-locked (``FOR UPDATE``) for the short storing step, so concurrent ingest from any number
-of API processes yields a gap-free, duplicate-free index sequence; a rolled-back
-transaction rolls its indices back with it. Duplicate detection runs under the same lock,
-so the ``request_id`` unique constraint is never what settles a race.
+Sequencing: every accepted envelope gets the next log index. Items are classified (new,
+existing, conflict) by one read, then the new ones are sequenced and stored by one
+statement (:mod:`ledger.services.sequencer`) whose ``log_state`` update serialises index
+assignment, so concurrent ingest from any number of API processes yields a gap-free,
+duplicate-free index sequence, and a failed statement stores and sequences nothing. A
+request_id stored by another process between the read and the statement makes the
+statement fail on the ``request_id`` unique constraint; the items are then classified
+again (the repeat is "existing" or a conflict), so idempotency never rests on timing. In
+the API, concurrent requests of one process share that statement (:class:`GroupCommit`).
 
 One set of limits for every item: an envelope in a batch is held to exactly what a single
 envelope is (``max_envelope_bytes`` over its stored bytes, the token limits, canonical
@@ -22,21 +26,25 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import threading
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from psycopg.types.json import Jsonb
-from sqlalchemy import select
+import orjson
+import psycopg
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from ledger.core import dsse
-from ledger.core.envelope import IndexFields, Limits, index_fields, parse_statement
+from ledger.core.envelope import IndexFields, Limits, index_fields, parse_statement, runtime_of
 from ledger.core.errors import FormatError, LedgerError, ValidationFailed
-from ledger.db.models import SigningKey
+from ledger.core.sealing import KeyEncryptionKey
 from ledger.db.session import raw_cursor
+from ledger.privacy import keys as privacy_keys
 from ledger.services import sequencer
 from ledger.services.keys import KeyRing, load_keyring
 from ledger.settings import Settings
@@ -165,7 +173,7 @@ def prepare(env: dsse.Envelope, keyring: KeyRing, limits: Limits, now: datetime,
                 f"became valid ({start.isoformat()})", code="recorded_before_key_valid")
     dsse_bytes = env.canonical_bytes()
     digest = hashlib.sha256(dsse_bytes).digest()
-    runtime = statement.predicate.runtime.model_dump(mode="json")
+    runtime = runtime_of(statement)
     return Prepared(dsse_bytes, digest, keyids, fields, runtime)
 
 
@@ -184,14 +192,6 @@ def _envelope(raw: Any, max_bytes: int) -> dsse.Envelope:
     return env
 
 
-def _not_before(session: Session, keyids: set[str]) -> dict[str, datetime]:
-    if not keyids:
-        return {}
-    rows = session.execute(select(SigningKey.keyid, SigningKey.not_before).where(
-        SigningKey.keyid.in_(sorted(keyids)))).all()
-    return {kid: nb for kid, nb in rows}
-
-
 def decode_items(raw_items: Sequence[Any], settings: Settings,
                  session: Session) -> tuple[list[Prepared | None], list[ItemResult]]:
     """Verify and validate every item. Returns prepared items and, for failures, results."""
@@ -204,7 +204,7 @@ def decode_items(raw_items: Sequence[Any], settings: Settings,
             envs.append(exc)
     keyids = {s.keyid for e in envs if isinstance(e, dsse.Envelope) for s in e.signatures}
     keyring = load_keyring(session, keyids, purpose="producer")
-    not_before = _not_before(session, keyids)
+    not_before = keyring.not_before()
     now = datetime.now(UTC)
     prepared: list[Prepared | None] = []
     failures: list[ItemResult] = []
@@ -221,82 +221,318 @@ def decode_items(raw_items: Sequence[Any], settings: Settings,
     return prepared, failures
 
 
-def _classify(cur: Any, size: int, prepared: Sequence[Prepared | None]
-              ) -> tuple[list[ItemResult | None], list[tuple[int, Prepared]]]:
-    """Under the sequencer lock, read only: each prepared item is new (with the index
-    it will get), existing (same bytes) or a conflict (other bytes)."""
-    results: list[ItemResult | None] = [None] * len(prepared)
-    todo = [(pos, p) for pos, p in enumerate(prepared) if p is not None]
-    cur.execute(
-        "SELECT request_id, dsse_sha256, log_index, fingerprint_id FROM envelopes "
-        "WHERE request_id = ANY(%s)",
-        ([p.fields.request_id for _, p in todo],),
-    )
-    known: dict[str, tuple[bytes, int, str]] = {
-        r[0]: (bytes(r[1]), r[2], r[3]) for r in cur.fetchall()}
-    new_rows: list[tuple[int, Prepared]] = []
-    for pos, p in todo:
-        rid = p.fields.request_id
-        prior = known.get(rid)
-        if prior is None:
-            idx = size + len(new_rows)
-            new_rows.append((idx, p))
-            known[rid] = (p.dsse_sha256, idx, p.fields.fingerprint_id)
-            results[pos] = ItemResult(pos, ItemOutcome.CREATED, rid, idx, p.dsse_sha256.hex(),
-                                      p.fields.fingerprint_id)
-        elif prior[0] == p.dsse_sha256:
-            results[pos] = ItemResult(pos, ItemOutcome.EXISTING, rid, prior[1],
-                                      p.dsse_sha256.hex(), prior[2])
-        else:
-            results[pos] = ItemResult(pos, ItemOutcome.CONFLICT, rid, prior[1],
-                                      p.dsse_sha256.hex(),
-                                      existing_dsse_sha256=prior[0].hex())
-    return results, new_rows
+@dataclass(slots=True)
+class Group:
+    """One request's items on their way to storage: the prepared ones (None where an item
+    failed to decode, verify or validate; ``failures`` says why) and the batch's mode."""
+
+    prepared: list[Prepared | None]
+    failures: list[ItemResult]
+    atomic: bool
+    report: IngestReport | None = None
+
+    @property
+    def has_items(self) -> bool:
+        """Anything to classify against storage (an atomic batch with an item that failed
+        already is still classified: its rejection names every failed item, conflicts
+        too)."""
+        return any(p is not None for p in self.prepared)
 
 
-def _write(cur: Any, size: int, new_rows: list[tuple[int, Prepared]]) -> None:
-    sequencer.append(cur, size, [("envelope", p.fields.request_id, p.dsse_sha256.hex())
-                                 for _, p in new_rows])
-    with cur.copy(
-        "COPY envelopes (log_index, request_id, dsse, dsse_sha256, keyids, model_sha256,"
-        " model_name, fingerprint_id, channel, tier, recorded_at, prompt_tokens,"
-        " output_tokens) FROM STDIN (FORMAT BINARY)"
-    ) as copy:
-        copy.set_types(["int8", "text", "bytea", "bytea", "text[]", "text", "text",
-                        "text", "text", "text", "timestamptz", "int4", "int4"])
-        for idx, p in new_rows:
-            f = p.fields
-            copy.write_row((idx, f.request_id, p.dsse_bytes, p.dsse_sha256, p.keyids,
-                            f.model_sha256, f.model_name, f.fingerprint_id, f.channel,
-                            f.tier, f.recorded_at, f.prompt_tokens, f.output_tokens))
-    fingerprints = {p.fields.fingerprint_id: p.runtime for _, p in new_rows}
-    cur.executemany(
-        "INSERT INTO fingerprints (fingerprint_id, runtime) VALUES (%s, %s) "
-        "ON CONFLICT (fingerprint_id) DO NOTHING",
-        [(fp, Jsonb(rt)) for fp, rt in sorted(fingerprints.items())])
+@dataclass(slots=True)
+class _Known:
+    dsse_sha256: bytes
+    fingerprint_id: str
+    log_index: int | None = None     # stored before
+    slot: int | None = None          # or new in this statement: its place in it
+
+
+def _plan(cur: Any, groups: Sequence[Group], *, look_up: bool = True
+          ) -> tuple[list[Prepared], list[tuple[ItemResult, int]]]:
+    """Classify every group's items, in order, against storage (unless ``look_up`` is
+    off: every request_id is then taken for new) and against the earlier items of the
+    same statement: new (a slot in the statement), existing (same bytes) or a conflict
+    (other bytes). Sets each group's report; returns the new items in slot order and the
+    results whose log index is ``start + slot`` once the statement ran."""
+    known: dict[str, _Known] = {}
+    if look_up:
+        ids = sorted({p.fields.request_id for g in groups for p in g.prepared
+                      if p is not None})
+        cur.execute("SELECT request_id, dsse_sha256, log_index, fingerprint_id FROM envelopes "
+                    "WHERE request_id = ANY(%s)", (ids,))
+        known = {r[0]: _Known(bytes(r[1]), r[3], log_index=r[2]) for r in cur.fetchall()}
+    new: list[Prepared] = []
+    pending: list[tuple[ItemResult, int]] = []
+    for g in groups:
+        results: list[ItemResult | None] = [None] * len(g.prepared)
+        for f in g.failures:
+            results[f.position] = f
+        mine: dict[str, _Known] = {}
+        my_new: list[Prepared] = []
+        my_pending: list[tuple[ItemResult, int]] = []
+        for pos, p in enumerate(g.prepared):
+            if p is None:
+                continue
+            rid, digest = p.fields.request_id, p.dsse_sha256
+            prior = mine.get(rid) or known.get(rid)
+            if prior is None:
+                slot = len(new) + len(my_new)
+                my_new.append(p)
+                mine[rid] = prior = _Known(digest, p.fields.fingerprint_id, slot=slot)
+                outcome = ItemOutcome.CREATED
+            else:
+                outcome = ItemOutcome.EXISTING if prior.dsse_sha256 == digest \
+                    else ItemOutcome.CONFLICT
+            r = results[pos] = ItemResult(pos, outcome, rid, prior.log_index, digest.hex())
+            if outcome is ItemOutcome.CONFLICT:
+                r.existing_dsse_sha256 = prior.dsse_sha256.hex()
+            else:
+                r.fingerprint_id = prior.fingerprint_id
+            if prior.slot is not None:
+                my_pending.append((r, prior.slot))
+        failed = [r for r in results if r is not None and r.failed]
+        if g.atomic and failed:  # every failed item named, conflicts included; nothing stored
+            g.report = _rejected(len(g.prepared), failed)
+            continue
+        known.update(mine)
+        new += my_new
+        pending += my_pending
+        g.report = IngestReport([r for r in results if r is not None], BatchOutcome.STORED)
+    return new, pending
+
+
+#: The envelopes (and their fingerprints) stored by the sequencing statement; the
+#: fingerprints wait for ``seq`` (the one-time filter), so the sequencer lock is always the
+#: first thing the statement takes.
+_STORE_ENVELOPES = """, stored AS (
+  INSERT INTO envelopes (log_index, request_id, dsse, dsse_sha256, keyids, model_sha256,
+                         model_name, fingerprint_id, channel, tier, recorded_at,
+                         prompt_tokens, output_tokens)
+  SELECT seq.start + e.ord - 1, e.request_id, e.dsse, e.dsse_sha256,
+         string_to_array(e.keyids, ','), e.model_sha256, e.model_name, e.fingerprint_id,
+         e.channel, e.tier, e.recorded_at, e.prompt_tokens, e.output_tokens
+  FROM seq, unnest(%(request_id)s::text[], %(dsse)b::bytea[], %(dsse_sha256)b::bytea[],
+                   %(keyids)s::text[], %(model_sha256)s::text[], %(model_name)s::text[],
+                   %(fingerprint_id)s::text[], %(channel)s::text[], %(tier)s::text[],
+                   %(recorded_at)s::timestamptz[], %(prompt_tokens)s::int4[],
+                   %(output_tokens)s::int4[])
+       WITH ORDINALITY AS e(request_id, dsse, dsse_sha256, keyids, model_sha256, model_name,
+                            fingerprint_id, channel, tier, recorded_at, prompt_tokens,
+                            output_tokens, ord)
+), fingerprinted AS (
+  INSERT INTO fingerprints (fingerprint_id, runtime)
+  SELECT f.fingerprint_id, f.runtime::jsonb
+  FROM unnest(%(fp_id)s::text[], %(fp_runtime)s::text[]) AS f(fingerprint_id, runtime)
+  WHERE (SELECT start FROM seq) IS NOT NULL
+  ON CONFLICT (fingerprint_id) DO NOTHING
+)"""
+
+
+def _stored_bytes(cur: Any, kek: KeyEncryptionKey | None,
+                  new: Sequence[Prepared]) -> list[bytes]:
+    """What goes into ``envelopes.dsse``: the DSSE bytes, sealed under each record's data
+    key when a KEK is configured (:mod:`ledger.privacy.keys`; the leaf still commits to
+    the DSSE bytes' SHA-256)."""
+    if kek is None:
+        return [p.dsse_bytes for p in new]
+    return privacy_keys.seal_rows(cur, kek, [
+        (privacy_keys.scope_of(p.fields.data_subject, p.fields.channel,
+                               p.fields.model_sha256, p.fields.recorded_at),
+         p.dsse_bytes, p.dsse_sha256) for p in new])
+
+
+def _write(cur: Any, new: Sequence[Prepared], settings: Settings | None = None) -> int:
+    """Sequence and store ``new`` in one statement; returns the first log index.
+
+    With a KEK the data keys are taken ``FOR SHARE`` (an erasure cannot destroy a key
+    between sealing and storing) inside the caller's transaction, after the sequencer lock,
+    in the order erasure takes them (``ledger.privacy.erasure``): that path holds the lock
+    for a few statements."""
+    kek = privacy_keys.kek_from_settings(settings) if settings is not None else None
+    if kek is not None:
+        sequencer.lock(cur)
+    stored = _stored_bytes(cur, kek, new)
+    fields = [p.fields for p in new]
+    fingerprints = {p.fields.fingerprint_id: p.runtime for p in new}
+    params = {
+        "request_id": [f.request_id for f in fields], "dsse": stored,
+        "dsse_sha256": [p.dsse_sha256 for p in new],
+        "keyids": [",".join(p.keyids) for p in new],  # 64-hex each (dsse.py): no commas
+        "model_sha256": [f.model_sha256 for f in fields],
+        "model_name": [f.model_name for f in fields],
+        "fingerprint_id": [f.fingerprint_id for f in fields],
+        "channel": [f.channel for f in fields], "tier": [f.tier for f in fields],
+        "recorded_at": [f.recorded_at for f in fields],
+        "prompt_tokens": [f.prompt_tokens for f in fields],
+        "output_tokens": [f.output_tokens for f in fields],
+        "fp_id": sorted(fingerprints),
+        "fp_runtime": [orjson.dumps(fingerprints[k]).decode() for k in sorted(fingerprints)],
+    }
+    return sequencer.append(cur, [("envelope", f.request_id, p.dsse_sha256.hex())
+                                  for f, p in zip(fields, new, strict=True)],
+                            _STORE_ENVELOPES, params)[0]
+
+
+#: Attempts at storing one statement's groups: after the first, a retry follows only a
+#: race with another process that stored one of the same request_ids between classifying
+#: and sequencing.
+_ATTEMPTS = 5
+
+
+def store_groups(cur: Any, groups: Sequence[Group], *, optimistic: bool = False,
+                 settings: Settings | None = None) -> None:
+    """Classify and store ``groups`` (each gets its report). ``cur`` is either in
+    autocommit (the statement commits as it runs: :class:`GroupCommit`) or inside the
+    caller's transaction (a savepoint then undoes a lost race).
+
+    ``optimistic``: the first attempt takes every request_id for new without reading
+    storage (one round trip instead of two, for the common case of new envelopes); a
+    stored one fails that statement on the unique constraint, and the next attempt reads.
+    An atomic batch is only ever rejected on a classification that read storage."""
+    conn = cur.connection
+    sealing = settings is not None and settings.kek_file is not None
+    for attempt in range(_ATTEMPTS):
+        try:  # autocommit: one statement, unless sealing (a transaction of its own then)
+            with conn.transaction() if sealing or not conn.autocommit else nullcontext():
+                look_up = attempt > 0 or not optimistic
+                new, pending = _plan(cur, groups, look_up=look_up)
+                if not look_up and any(g.report is not None and
+                                       g.report.outcome is BatchOutcome.REJECTED
+                                       for g in groups):
+                    # a rejection names every failed item: conflicts with storage too
+                    new, pending = _plan(cur, groups)
+                if new:
+                    start = _write(cur, new, settings)
+                    for result, slot in pending:
+                        result.log_index = start + slot
+            return
+        except psycopg.errors.UniqueViolation:
+            # another process stored one of these request_ids after _plan read: classify
+            # again (it is "existing" or a conflict now); nothing of ours was stored
+            if attempt == _ATTEMPTS - 1:
+                raise
+
+
+class GroupCommit:
+    """Ingest's storing step for one API process: requests hand their verified items over
+    and wait; one of them at a time (the leader) stores every group waiting, in one
+    statement that commits as it runs, on a connection of its own. Concurrent single-
+    envelope requests then share one sequencer lock and one WAL flush instead of queueing
+    for the lock one by one; with nobody waiting, a request stores its own at once (no
+    batching delay). Failures reach every request of the statement (a lost database is a
+    503 to each of them); nothing of a failed statement is stored."""
+
+    def __init__(self, engine: Engine, settings: Settings | None = None,
+                 max_items: int = 2000) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.max_items = max_items
+        self._cv = threading.Condition()
+        self._waiting: list[_Ticket] = []
+        self._busy = False
+        self._conn: Connection | None = None   # the leader's; kept between statements
+
+    def store(self, group: Group) -> None:
+        ticket = _Ticket(group)
+        with self._cv:
+            self._waiting.append(ticket)
+            while not ticket.done and (self._busy or self._waiting[0] is not ticket):
+                self._cv.wait()
+            if not ticket.done:
+                batch = self._take()
+                self._busy = True
+        if not ticket.done:
+            try:
+                self._flush(batch)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+        if ticket.error is not None:
+            raise ticket.error
+
+    def close(self) -> None:
+        with self._cv:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+        self.engine.dispose()
+
+    def _take(self) -> list[_Ticket]:
+        """The oldest waiting tickets, up to ``max_items`` items (at least one ticket)."""
+        n, items = 0, 0
+        for t in self._waiting:
+            items += len(t.group.prepared)
+            if n and items > self.max_items:
+                break
+            n += 1
+        batch, self._waiting = self._waiting[:n], self._waiting[n:]
+        return batch
+
+    def _connection(self) -> Connection:
+        if self._conn is None:
+            self._conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        return self._conn
+
+    def _flush(self, batch: list[_Ticket]) -> None:
+        try:
+            with raw_cursor(self._connection()) as cur:
+                try:
+                    store_groups(cur, [t.group for t in batch], optimistic=True,
+                                 settings=self.settings)
+                except psycopg.errors.DataError:
+                    if len(batch) == 1:
+                        raise
+                    for t in batch:  # one group's bad value fails that group only
+                        try:
+                            store_groups(cur, [t.group], settings=self.settings)
+                        except psycopg.errors.DataError as exc:
+                            t.error = exc
+        except BaseException as exc:
+            for t in batch:
+                t.error = t.error or exc
+            if not isinstance(exc, psycopg.errors.DataError) and self._conn is not None:
+                self._conn.invalidate()  # lost or in doubt: the next leader connects afresh
+                self._conn.close()
+                self._conn = None
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            with self._cv:
+                for t in batch:
+                    t.done = True
+
+
+@dataclass(slots=True)
+class _Ticket:
+    group: Group
+    done: bool = False
+    error: BaseException | None = None
 
 
 def ingest_batch(session: Session, raw_items: Sequence[Any], settings: Settings, *,
-                 atomic: bool = False) -> IngestReport:
+                 atomic: bool = False, group_commit: GroupCommit | None = None
+                 ) -> IngestReport:
     """Verify, validate and classify every item, then (unless an atomic batch has a failed
-    item) sequence and store the new ones. Flushes only: the caller commits when the
-    outcome is STORED and rolls back when it is REJECTED (nothing was written then)."""
-    n = len(raw_items)
+    item) sequence and store the new ones.
+
+    Without ``group_commit`` this flushes only, in the session's transaction: the caller
+    commits when the outcome is STORED and rolls back when it is REJECTED (nothing was
+    written then). With it (the API), what was stored is committed when this returns, and
+    the session was only read."""
     prepared, failures = decode_items(raw_items, settings, session)
-    results: list[ItemResult | None] = [None] * n
-    new_rows: list[tuple[int, Prepared]] = []
-    with raw_cursor(session) as cur:
-        if any(p is not None for p in prepared):
-            size = sequencer.lock(cur)
-            results, new_rows = _classify(cur, size, prepared)
-        for f in failures:
-            results[f.position] = f
-        failed = [r for r in results if r is not None and r.failed]
-        if atomic and failed:  # every failed item named, conflicts included; nothing written
-            return _rejected(n, failed)
-        if new_rows:
-            _write(cur, size, new_rows)
-    return IngestReport([r for r in results if r is not None], BatchOutcome.STORED)
+    group = Group(prepared, failures, atomic)
+    if group.has_items:
+        if group_commit is not None:
+            group_commit.store(group)
+        else:
+            with raw_cursor(session) as cur:
+                store_groups(cur, [group], settings=settings)
+    if group.report is None:  # nothing to store: every item failed before storage
+        failed = sorted(failures, key=lambda r: r.position)
+        group.report = _rejected(len(prepared), failed) if atomic else \
+            IngestReport(failed, BatchOutcome.STORED)
+    return group.report
 
 
 def ingest(session: Session, raw_items: Sequence[Any], settings: Settings, *,

@@ -157,6 +157,10 @@ class KeyRing:
                             code="key_expired")
         return key.public_key
 
+    def not_before(self) -> dict[str, datetime]:
+        """keyid -> ``not_before`` of every key loaded (whatever its purpose or status)."""
+        return {kid: k.not_before for kid, k in self._keys.items()}
+
 
 def load_keyring(session: Session, keyids: Iterable[str], *, purpose: str) -> KeyRing:
     ids = sorted(set(keyids))

@@ -1,13 +1,25 @@
 """The sequencer: hands out log indices, gap-free, to every kind of leaf.
 
-Callers hold the ``log_state`` row lock (``lock``) for the short time between reading the
-next index and committing; envelopes, verdicts and dispute events all go through here, so
-they share one gap-free index space and one tree.
+Envelopes, verdicts, dispute events and admin events all go through :func:`append`, so
+they share one gap-free index space and one tree. Indices come from the ``log_state`` row,
+not from a PostgreSQL sequence: a rolled-back transaction rolls its indices back with it,
+which a sequence cannot do.
+
+One statement (:data:`ledger.log.store.SEQUENCE`) moves ``log_state`` past the new
+entries, writes them and, through the caller's CTEs, the records that carry the indices.
+Its first step, the ``UPDATE`` of ``log_state``, takes the row lock that serialises
+sequencing; the transaction's commit releases it. The API's ingest runs that statement as
+a transaction of its own (autocommit: statement and commit in one round trip) and lets
+every waiting request of the process share it (:class:`ledger.services.ingest.GroupCommit`),
+so the lock is never held across a round trip to the API process and one WAL flush
+serves many envelopes. Verdicts, dispute events and admin events append inside their own
+transaction (they are rare): the lock is held from the statement to that transaction's
+commit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ledger.core.logentry import log_entry_bytes
@@ -16,22 +28,25 @@ from ledger.log import store
 
 
 def lock(cur: Any) -> int:
-    """Lock the sequencer for this transaction; returns the next free log index."""
+    """Take the sequencer lock for this transaction before anything else (erasure, and
+    sealed ingest, which then lock data keys: one lock order); the next free index."""
     return store.sequenced_size(cur, lock=True)
 
 
-def append(cur: Any, start: int, leaves: Sequence[tuple[str, str, str]]) -> list[int]:
-    """Write log entries for (kind, ref, dsse_sha256 hex) from ``start``; returns indices.
-    The caller holds the lock (``start`` came from :func:`lock`)."""
+def append(cur: Any, leaves: Sequence[tuple[str, str, str]], records: str = "",
+           params: Mapping[str, Any] | None = None) -> list[int]:
+    """Sequence log entries for (kind, ref, dsse_sha256 hex) in one statement, with the
+    ``records`` CTEs that store what they name (each reads ``seq.start``); returns their
+    indices. A failed statement sequences nothing."""
     if not leaves:
         return []
     rows = []
     for kind, ref, digest in leaves:
         entry = log_entry_bytes(kind, ref, digest)
         rows.append((kind, ref, entry, leaf_hash(entry)))
-    store.append_entries(cur, start, rows)
+    start = store.sequence(cur, rows, records, params)
     return list(range(start, start + len(leaves)))
 
 
 def append_one(cur: Any, kind: str, ref: str, dsse_sha256: str) -> int:
-    return append(cur, lock(cur), [(kind, ref, dsse_sha256)])[0]
+    return append(cur, [(kind, ref, dsse_sha256)])[0]

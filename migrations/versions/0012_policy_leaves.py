@@ -1,6 +1,7 @@
 """Re-verification policies as registry leaves: the admin_events kinds a policy's
 creation, pause, resumption, deletion and each claimed window are signed as, and the
-fingerprint gates the beat claims.
+fingerprint gates the beat claims, and a retention policy's creation (its table comes in
+0015).
 
 Revision ID: 0012_policy_leaves
 Revises: 0009_policy_ops
@@ -19,7 +20,7 @@ depends_on = None
 BEFORE = ("signing_key.registered", "signing_key.revoked", "api_key.created",
           "api_key.revoked", "api_key.role_changed")
 AFTER = (*BEFORE, "policy.created", "policy.paused", "policy.resumed", "policy.deleted",
-         "policy.window_claimed", "gate.claimed")
+         "policy.window_claimed", "gate.claimed", "retention.created")
 
 
 def _kinds(kinds: tuple[str, ...]) -> None:

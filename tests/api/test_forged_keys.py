@@ -29,7 +29,7 @@ from ledger.db.session import make_engine, session_scope
 from ledger.log.audit import audit
 from ledger.log.integrator import integrate_all
 from ledger.log.signer import LogSigner
-from ledger.services import ingest, sequencer
+from ledger.services import ingest
 from ledger.services.keys import register_key
 from ledger.settings import Settings
 from tests.conftest import provision
@@ -278,8 +278,7 @@ def test_audit_refuses_a_forged_envelope_stored_by_an_older_ledger(
                                   index_fields(st), st.predicate.runtime.model_dump(mode="json"))
             conn = s.connection().connection.driver_connection
             with conn.cursor() as cur:
-                forged_index = sequencer.lock(cur)
-                ingest._write(cur, forged_index, [(forged_index, old)])
+                forged_index = ingest._write(cur, [old])
             assert all(r.status == 201 for r in ingest.ingest(
                 s, [signed(statement(), producer)], settings))
         integrate_all(engine, signer, max_entries=10)

@@ -33,12 +33,28 @@ from ledger.core.tiles import (
     integrate,
     parse_tile_path,
     root_from_tiles,
+    subtree_path_from_tiles,
+    tile_node_offset,
+    tile_nodes,
     tile_width,
     tiles_for_size,
 )
 
 BIG = 70_000  # the tlog-tiles spec's example size: three tile levels, all partial at the edge
 LEAVES = [leaf_hash(b"entry %d" % i) for i in range(BIG)]
+
+
+@cache
+def node_store() -> MemoryTileStore:
+    """The same tree with the subtree hashes of its full tiles kept (as Postgres does)."""
+    store, size, rng = MemoryTileStore(), 0, random.Random(8)
+    while size < BIG:
+        batch = LEAVES[size : size + rng.choice([1, 255, 256, 3000])]
+        result = integrate(size, batch, store)
+        store.write_tiles(result.tiles)
+        store.write_nodes(result.nodes)
+        size = result.size
+    return store
 
 
 @cache
@@ -243,11 +259,11 @@ def test_integrate_across_the_second_tile_level(batches: list[int]) -> None:
 
 def test_integrate_edge_cases() -> None:
     store = MemoryTileStore()
-    assert integrate(0, [], store) == (0, EMPTY_ROOT, {})
+    assert integrate(0, [], store) == (0, EMPTY_ROOT, {}, {})
     result = integrate(0, LEAVES[:1], store)
-    assert result == (1, LEAVES[0], {Tile(0, 0, 1): LEAVES[0]})
+    assert result == (1, LEAVES[0], {Tile(0, 0, 1): LEAVES[0]}, {})
     store.write_tiles(result.tiles)
-    assert integrate(1, [], store) == (1, LEAVES[0], {})
+    assert integrate(1, [], store) == (1, LEAVES[0], {}, {})
     result = integrate(1, LEAVES[1:256], store)
     assert set(result.tiles) == {Tile(0, 0), Tile(1, 0, 1)}
     assert result.tiles[Tile(1, 0, 1)] == root_hash(LEAVES[:256])
@@ -341,3 +357,64 @@ def test_tile_readers_are_batched_and_checked() -> None:
         consistency_proof_from_tiles(BIG, 10, store)
     assert root_from_tiles(0, store) == EMPTY_ROOT
     assert inclusion_proof_from_tiles(0, 1, store) == []
+
+
+def test_tile_nodes_are_the_subtrees_of_a_full_tile() -> None:
+    data = b"".join(LEAVES[256:512])
+    nodes = tile_nodes(data)
+    assert len(nodes) == 255 * 32
+    for j in range(1, 9):
+        for k in range(256 >> j):
+            at = tile_node_offset(j, k)
+            lo = 256 + (k << j)
+            assert nodes[at : at + 32] == root_hash(LEAVES[lo : lo + (1 << j)]), (j, k)
+    assert nodes[-32:] == root_hash(LEAVES[256:512])
+    with pytest.raises(TileFormatError):
+        tile_nodes(data[:-32])
+
+
+def test_integrate_returns_the_nodes_of_tiles_that_became_full() -> None:
+    store = MemoryTileStore()
+    first = integrate(0, LEAVES[:300], store)
+    assert set(first.nodes) == {Tile(0, 0)}
+    assert first.nodes[Tile(0, 0)] == tile_nodes(b"".join(LEAVES[:256]))
+    store.write_tiles(first.tiles)
+    second = integrate(300, LEAVES[300:511], store)
+    assert second.nodes == {}  # tile 0/1 is still partial (255 wide)
+    store.write_tiles(second.tiles)
+    third = integrate(511, LEAVES[511:513], store)
+    assert set(third.nodes) == {Tile(0, 1)}  # full now; tile 0/0 was not rewritten
+    with pytest.raises(TileFormatError):
+        store.write_nodes({Tile(0, 2, 1): b"\0" * 255 * 32})  # only full tiles have nodes
+
+
+def test_proofs_from_stored_nodes_and_a_memo_equal_the_reference() -> None:
+    """Stored nodes (lookups) and a memo of subtree hashes give the same proofs as the
+    in-memory reference, at every kind of position; and read fewer hashes."""
+    rng = random.Random(11)
+    memo: dict[tuple[int, int], bytes] = {}
+    for _ in range(25):  # the reference rehashes the whole tree for each proof
+        size = rng.choice([256, 257, 65_536, 65_537, BIG, rng.randrange(1, BIG + 1)])
+        index = rng.randrange(size)
+        old = rng.randrange(size + 1)
+        want = inclusion_proof(index, size, LEAVES)
+        assert inclusion_proof_from_tiles(index, size, node_store()) == want
+        assert inclusion_proof_from_tiles(index, size, node_store(), memo) == want
+        assert consistency_proof_from_tiles(old, size, node_store(), memo) == \
+            consistency_proof(old, size, LEAVES)
+        assert root_from_tiles(old, node_store(), memo, tree_size=size) == \
+            root_hash(LEAVES[:old])
+    assert memo  # filled, and used on the way
+
+
+def test_subtree_path_verifies_from_the_tile_hash() -> None:
+    rng = random.Random(12)
+    for _ in range(15):
+        size = rng.randrange(256, BIG + 1)
+        tile = rng.randrange(size >> 8)
+        path = subtree_path_from_tiles(8, tile, size, node_store())
+        assert path == inclusion_proof(tile * 256, size, LEAVES)[8:]
+        verify_inclusion(root_hash(LEAVES[tile * 256 : tile * 256 + 256]), tile,
+                         -(-size // 256), path, root_hash(LEAVES[:size]))
+    with pytest.raises(TreeRangeError):
+        subtree_path_from_tiles(8, 3, 1000, node_store())  # tile 0/3 is partial at 1000

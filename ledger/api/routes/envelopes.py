@@ -41,6 +41,7 @@ from ledger.core.errors import FormatError, ValidationFailed
 from ledger.errors import Conflict
 from ledger.log import proofs
 from ledger.log.integrator import integrate_once
+from ledger.privacy.keys import kek_from_settings
 from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
 from ledger.services import envelopes as envelope_service
 from ledger.services import ingest as ingest_service
@@ -93,15 +94,13 @@ def _count(results: list[ingest_service.ItemResult]) -> None:
             metrics.REJECTED.labels("request_id_conflict").inc()
 
 
-def _ingest_sync(session: Session, items: list[Any], settings: Settings,
+def _ingest_sync(request: Request, session: Session, items: list[Any], settings: Settings,
                  atomic: bool) -> ingest_service.IngestReport:
-    """The service decides; this boundary commits what it stored or rolls back a
-    rejected atomic batch (the service wrote nothing then)."""
-    report = ingest_service.ingest_batch(session, items, settings, atomic=atomic)
-    if report.outcome is ingest_service.BatchOutcome.REJECTED:
-        session.rollback()
-    else:
-        session.commit()
+    """The service decides and stores through the process's group commit (what it stored
+    is committed when it returns); the request's session was only read."""
+    report = ingest_service.ingest_batch(session, items, settings, atomic=atomic,
+                                         group_commit=request.app.state.group_commit)
+    session.rollback()
     return report
 
 
@@ -146,7 +145,8 @@ async def ingest_one(
 ) -> Response:
     raw = await _read_capped(request, settings.max_envelope_bytes)
     metrics.BATCH_SIZE.observe(1)
-    report = await run_in_threadpool(_ingest_sync, session, [raw], settings, False)
+    report = await run_in_threadpool(_ingest_sync, request, session, [raw], settings,
+                                      False)
     _count(report.results)
     r = report.results[0]
     if r.error is not None:
@@ -227,7 +227,8 @@ async def ingest_batch(
 ) -> Response:
     items = _batch_items(await request.body(), settings)
     metrics.BATCH_SIZE.observe(len(items))
-    report = await run_in_threadpool(_ingest_sync, session, items, settings, atomic)
+    report = await run_in_threadpool(_ingest_sync, request, session, items, settings,
+                                      atomic)
     _count(report.results)
     dicts = [_result_dict(r) for r in report.results]
     if report.outcome is ingest_service.BatchOutcome.REJECTED:
@@ -293,8 +294,9 @@ def get_envelope(
     request_id: RequestIdPath,
     _: Principal = Depends(require("envelopes:read")),
     session: Session = Depends(get_session),
+    settings: Settings = Depends(get_settings_dep),
 ) -> Response:
-    view = envelope_service.envelope_view(session, request_id)
+    view = envelope_service.envelope_view(session, request_id, kek_from_settings(settings))
     # The DSSE member is spliced in byte for byte: what was stored is what is served.
     # Index columns that disagree with the signed payload are flagged in "integrity".
     return Response(b'{"dsse":' + view.dsse + b',"index":' + orjson.dumps(view.index)

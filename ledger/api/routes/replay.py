@@ -1,5 +1,5 @@
 """/v1/disputes, /v1/verdicts, /v1/workers, /v1/fingerprints,
-/v1/reverification-policies, /v1/reverification-runs.
+/v1/reverification-policies, /v1/reverification-runs, /v1/semantic/pass-rates.
 
 Each handler parses, makes one service call (:mod:`ledger.services.disputes`,
 :mod:`ledger.services.policies`, :mod:`ledger.replay.queries`) and returns a typed response
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from sqlalchemy.orm import Session
 
 from ledger.api.auth import require
 from ledger.api.deps import get_session, get_settings_dep
-from ledger.api.params import BeforeQuery, Cursor, FingerprintQuery, Limit, RecordIdPath
+from ledger.api.params import AfterQuery, BeforeQuery, Cursor, FingerprintQuery, Limit, RecordIdPath
 from ledger.api.params import RequestIdQuery as RequestIdFilter
 from ledger.api.params import UuidPath as IdPath
 from ledger.api.routing import StrictJsonRoute
@@ -35,6 +35,7 @@ from ledger.api.schemas import (
     ResolveIn,
     RunPage,
     RunReportOut,
+    SemanticPassRatesOut,
     VerdictWithProofOut,
     WorkerOut,
 )
@@ -87,7 +88,7 @@ def open_dispute(
 ) -> DisputeOut:
     opened = dispute_service.open_dispute(
         session, principal, signer, settings, request_id=body.request_id, reason=body.reason,
-        priority=body.priority, idempotency_key=idempotency_key)
+        priority=body.priority, idempotency_key=idempotency_key, assertions=body.assertions)
     commit_and_publish(request, session, opened.to_publish)
     if opened.outcome is dispute_service.OpenOutcome.EXISTING:
         response.status_code = 200
@@ -241,3 +242,18 @@ def list_runs(kind: Literal["policy", "gate"] | None = None, limit: Limit = 100,
 def get_run(run_id: IdPath, _: Principal = Depends(require("policies:read")),
             session: Session = Depends(get_session)) -> RunReportOut:
     return RunReportOut.model_validate(queries.run_report(session, run_id))
+
+
+@router.get("/semantic/pass-rates", tags=["re-verification"],
+            response_model=SemanticPassRatesOut,
+            summary="Semantic verdicts' pass rates over time per (vendor, model alias)")
+def semantic_pass_rates(
+        vendor: Annotated[str | None, Query(max_length=100, pattern=r"^[a-z0-9][a-z0-9._-]*$",
+                                            description="the vendor's routing name")] = None,
+        model_alias: Annotated[str | None, Query(max_length=200)] = None,
+        bucket: Literal["day", "hour"] = "day",
+        since: AfterQuery = None,
+        _: Principal = Depends(require("disputes:read")),
+        session: Session = Depends(get_session)) -> SemanticPassRatesOut:
+    return SemanticPassRatesOut(items=queries.semantic_pass_rates(
+        session, vendor=vendor, model_alias=model_alias, bucket=bucket, since=since))

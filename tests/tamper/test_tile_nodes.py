@@ -1,0 +1,200 @@
+"""Stored subtree hashes (``tile_nodes``, migration 0014) are derived data an insider can
+edit: proofs and exports built from them are verified against the signed checkpoint
+before they leave the ledger, so an edit is a refusal (``log_integrity``), never a wrong
+proof, and ``ledger audit`` names the tile. A poisoned process cache is worked around;
+a checkpoint whose columns disagree with its signed note is refused too.
+
+The log: 600 real signed envelopes (two full level-0 tiles and a partial one), each
+integration a checkpoint, superuser edits with the append-only triggers off.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+from sqlalchemy import Engine
+
+from ledger.core.bundle import verify_lines
+from ledger.core.keys import generate_private_key
+from ledger.core.merkle import verify_inclusion
+from ledger.core.note import format_verifier_key, parse_verifier_key
+from ledger.db.session import make_engine, session_scope
+from ledger.errors import StoredTreeMismatch
+from ledger.log import proofs
+from ledger.log.audit import audit
+from ledger.log.export import Selection, bundle_lines
+from ledger.log.integrator import integrate_all
+from ledger.log.signer import LogSigner
+from ledger.log.store import SUBTREES
+from ledger.replay.records import Signer
+from ledger.services import ingest
+from ledger.settings import Settings
+from tests.conftest import provision
+from tests.helpers import run_server, signed, statement
+
+ORIGIN = "ledger.test/tile-nodes"
+N = 600
+
+
+@dataclass
+class Log:
+    url: str
+    pg: str
+    engine: Engine
+    signer: LogSigner
+    service: Signer
+    keys: dict[str, str]
+    size: int
+
+
+@pytest.fixture
+def log(db_url: str) -> Iterator[Log]:
+    keys, producer = provision(db_url)
+    settings = Settings(database_url=db_url)
+    engine = make_engine(settings, pool_size=2)
+    signer = LogSigner(ORIGIN, generate_private_key())
+    service = Signer(generate_private_key(), "ledger", "ledger-service")
+    with session_scope(engine) as s:
+        signer.ensure_registered(s)
+        service.ensure_registered(s)
+        for start in range(0, N, 200):
+            items = [signed(statement(f"nodes-{i}"), producer) for i in range(start, start + 200)]
+            assert all(r.status == 201 for r in ingest.ingest(s, items, settings))
+    integrate_all(engine, signer, max_entries=150)
+    pg = db_url.replace("postgresql+psycopg://", "postgresql://")
+    with psycopg.connect(pg) as conn:  # every integration stored the nodes of new full tiles
+        assert conn.execute("SELECT count(*) FROM tile_nodes").fetchone() == (2,)
+        row = conn.execute("SELECT max(tree_size) FROM checkpoints").fetchone()
+    assert row is not None and 512 < row[0] < 768
+    SUBTREES.forget_all()
+    yield Log(db_url, pg, engine, signer, service, keys, row[0])
+    SUBTREES.forget_all()
+    engine.dispose()
+
+
+def superuser(log: Log, sql: str, params: tuple[object, ...] = ()) -> None:
+    with psycopg.connect(log.pg) as conn:
+        conn.execute("SET session_replication_role = replica")  # triggers off
+        conn.execute(sql, params)
+
+
+def flip_node(log: Log, tile: int, node: int) -> None:
+    """Flip one bit of hash ``node`` (0..254) in tile_nodes row (0, tile)."""
+    superuser(log, "UPDATE tile_nodes SET nodes = overlay(nodes placing "
+              "set_byte(substring(nodes from %s for 1), 0, "
+              "get_byte(substring(nodes from %s for 1), 0) # 1) from %s for 1) "
+              "WHERE level = 0 AND idx = %s", (node * 32 + 1,) * 3 + (tile,))
+
+
+def inclusion(log: Log, index: int) -> proofs.InclusionReceipt:
+    with session_scope(log.engine) as s:
+        return proofs.inclusion(s, index)
+
+
+def export(log: Log) -> list[bytes]:
+    return b"".join(bundle_lines(log.engine, Selection(), log.service)).split(b"\n")[:-1]
+
+
+def test_clean_log_serves_verified_proofs_and_exports(log: Log) -> None:
+    """The control: proofs from the stored nodes verify, the export verifies offline,
+    the audit passes."""
+    for index in (0, 1, 255, 256, 300, 511, 512, log.size - 1):
+        r = inclusion(log, index)
+        verify_inclusion(r.leaf_hash, index, log.size, r.proof, r.checkpoint.root_hash)
+    lines = export(log)
+    pinned = [parse_verifier_key(format_verifier_key(ORIGIN, log.signer.key.public_key()))]
+    assert verify_lines(lines, pinned_log_keys=pinned).records >= N
+    report = audit(log.engine, ORIGIN)
+    assert report.ok, report.problems
+
+
+@pytest.mark.parametrize("node", [0, 127, 200, 254], ids=["level1", "level1-last",
+                                                           "level3", "tile-hash"])
+def test_edited_stored_node_is_refused_and_audited(log: Log, node: int) -> None:
+    """Node 254 is the tile's own hash: no proof carries it (the tile above holds it),
+    but an export checks the path above the tile from it."""
+    flip_node(log, 0, node)
+    # every entry whose proof uses the edited hash is refused; which ones depends on the
+    # node, so try the whole tile: some must be refused, none may get a wrong proof
+    refused = 0
+    for index in range(256):
+        try:
+            r = inclusion(log, index)
+        except StoredTreeMismatch as exc:
+            assert "ledger audit" in exc.message
+            refused += 1
+            continue
+        verify_inclusion(r.leaf_hash, index, log.size, r.proof, r.checkpoint.root_hash)
+    assert (refused > 0) == (node != 254), refused
+    with pytest.raises(StoredTreeMismatch):
+        export(log)
+    report = audit(log.engine, ORIGIN)
+    assert not report.ok
+    assert report.first_bad_index == 0
+    assert any("tile/0/000" in p and "tile_nodes" in p for p in report.problems), \
+        report.problems
+
+
+def test_export_of_a_dense_tile_does_not_use_its_stored_nodes(log: Log) -> None:
+    """Where most of a tile is exported its nodes are recomputed from its leaves: an
+    edited row there changes nothing in the bundle (the audit still names it)."""
+    clean = export(log)
+    flip_node(log, 1, 3)
+    assert export(log)[1:] == clean[1:]  # the records; the header has its own time
+    assert audit(log.engine, ORIGIN).first_bad_index == 256
+
+
+def test_edited_tile_is_refused(log: Log) -> None:
+    """The tile row itself (not only its nodes): a leaf hash changed in tile 0/000."""
+    superuser(log, "UPDATE tiles SET data = overlay(data placing '\\x00'::bytea from 97 "
+              "for 1) WHERE level = 0 AND idx = 0")
+    with pytest.raises(StoredTreeMismatch):
+        inclusion(log, 2)  # its sibling's proof carries the edited leaf hash
+    with pytest.raises(StoredTreeMismatch):
+        export(log)
+    assert not audit(log.engine, ORIGIN).ok
+
+
+def test_poisoned_cache_is_dropped(log: Log) -> None:
+    """A wrong hash in the process-wide subtree cache (read before a repair, say): the
+    proof fails its check, the cache is dropped, the retry from the database is served."""
+    good = inclusion(log, 300)
+    with psycopg.connect(log.pg) as conn:
+        info = conn.info
+        scope = f"{info.host}:{info.port}/{info.dbname}"
+    memo = SUBTREES.for_scope(scope)
+    assert memo
+    for key in list(memo):
+        memo[key] = bytes(32)
+    again = inclusion(log, 300)
+    assert again.proof == good.proof
+
+
+def test_checkpoint_columns_must_match_the_signed_note(log: Log) -> None:
+    superuser(log, "UPDATE checkpoints SET root_hash = sha256('x'::bytea) "
+              "WHERE tree_size = %s", (log.size,))
+    with pytest.raises(StoredTreeMismatch, match="signed note"):
+        inclusion(log, 5)
+
+
+def test_http_refusal_is_a_problem(log: Log, tmp_path: Path) -> None:
+    flip_node(log, 0, 0)  # hash of leaves 0 and 1: in the proofs of 2 and 3
+    with run_server(log.url, extra_env={"LEDGER_LOG_NAME": ORIGIN},
+                    log_dir=tmp_path) as srv:
+        srv.keys = log.keys
+        with srv.client("reviewer") as c:
+            bad = c.get("/v1/log/proof", params={"index": 2})
+            ok = c.get("/v1/log/proof", params={"index": 300})
+    assert bad.status_code == 500
+    assert bad.headers["content-type"].startswith("application/problem+json")
+    assert bad.json()["code"] == "log_integrity"
+    assert ok.status_code == 200
+    body = ok.json()
+    verify_inclusion(base64.b64decode(body["leaf_hash"]), 300, log.size,
+                     [base64.b64decode(h) for h in body["inclusion_proof"]],
+                     base64.b64decode(body["root_hash"]))

@@ -1,0 +1,139 @@
+"""The API's storing step (ingest.GroupCommit) on a real PostgreSQL: requests waiting while
+another one stores share one sequencing statement (one transaction: one ``xmin``), are
+classified against each other in order (repeats, conflicts, atomic rejections), and a
+request_id stored before goes through the unique constraint and comes back "existing"
+with its old index, leaving no gap."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import psycopg
+from sqlalchemy import Engine
+
+from ledger.db.session import make_engine, session_scope
+from ledger.services import ingest
+from ledger.settings import Settings
+from tests.conftest import provision
+from tests.helpers import signed, statement
+
+Outcome = ingest.ItemOutcome
+
+
+def group(engine: Engine, settings: Settings, envelopes: list[Any],
+          atomic: bool = False) -> ingest.Group:
+    with session_scope(engine) as s:
+        prepared, failures = ingest.decode_items(envelopes, settings, s)
+    return ingest.Group(prepared, failures, atomic)
+
+
+def rows(db_url: str) -> list[tuple[int, str, int]]:
+    """(log_index, request_id, xmin) of every envelope, and the log's size checked."""
+    with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
+        out = conn.execute("SELECT log_index, request_id, xmin::text::bigint FROM envelopes "
+                           "ORDER BY log_index").fetchall()
+        size = conn.execute("SELECT size FROM log_state").fetchone()
+        entries = conn.execute("SELECT count(*) FROM log_entries").fetchone()
+    assert size is not None and entries is not None and size[0] == entries[0] == len(out)
+    return [(int(a), str(b), int(c)) for a, b, c in out]
+
+
+def store_while_busy(gc: ingest.GroupCommit, groups: list[ingest.Group]) -> None:
+    """Queue ``groups`` behind a leader that is busy, then let them go: the oldest leads
+    and stores all of them in one statement."""
+    with gc._cv:
+        gc._busy = True
+    threads = [threading.Thread(target=gc.store, args=(g,)) for g in groups]
+    for n, t in enumerate(threads, 1):
+        t.start()
+        deadline = time.monotonic() + 30
+        while True:  # queued in this order
+            with gc._cv:
+                if len(gc._waiting) == n:
+                    break
+            assert time.monotonic() < deadline
+            time.sleep(0.001)
+    with gc._cv:
+        gc._busy = False
+        gc._cv.notify_all()
+    for t in threads:
+        t.join(30)
+        assert not t.is_alive()
+
+
+def test_waiting_requests_share_one_statement(db_url: str) -> None:
+    _, producer = provision(db_url)
+    settings = Settings(database_url=db_url)
+    engine = make_engine(settings, pool_size=1)
+    gc = ingest.GroupCommit(make_engine(settings, pool_size=1))
+    try:
+        groups = [group(engine, settings, [signed(statement(), producer)]) for _ in range(6)]
+        store_while_busy(gc, groups)
+    finally:
+        gc.close()
+        engine.dispose()
+    stored = rows(db_url)
+    assert [r[0] for r in stored] == list(range(6))
+    assert len({r[2] for r in stored}) == 1, "not one transaction"
+    # each request got its own envelope's index, in the order they queued
+    for i, g in enumerate(groups):
+        assert g.report is not None
+        [res] = g.report.results
+        assert res.outcome is Outcome.CREATED and res.log_index == i
+        assert stored[i][1] == res.request_id
+
+
+def test_one_statement_classifies_its_requests_in_order(db_url: str) -> None:
+    _, producer = provision(db_url)
+    settings = Settings(database_url=db_url)
+    engine = make_engine(settings, pool_size=1)
+    gc = ingest.GroupCommit(make_engine(settings, pool_size=1))
+    x = statement()
+    x_env = signed(x, producer)
+    x_other = signed(statement(x["predicate"]["request_id"], output_len=5), producer)
+    y_env = signed(statement(), producer)
+    try:
+        groups = [group(engine, settings, [x_env]),                 # new
+                  group(engine, settings, [x_env]),                 # repeat of the above
+                  group(engine, settings, [x_other]),               # conflict with it
+                  group(engine, settings, [y_env, x_other], atomic=True),  # rejected whole
+                  group(engine, settings, [y_env])]                 # so Y is new here
+        store_while_busy(gc, groups)
+    finally:
+        gc.close()
+        engine.dispose()
+    reports = [g.report for g in groups]
+    assert all(r is not None for r in reports)
+    a, b, c, d, e = (r.results for r in reports if r is not None)
+    assert (a[0].outcome, a[0].log_index) == (Outcome.CREATED, 0)
+    assert (b[0].outcome, b[0].log_index) == (Outcome.EXISTING, 0)
+    assert (c[0].outcome, c[0].log_index) == (Outcome.CONFLICT, 0)
+    assert c[0].existing_dsse_sha256 == a[0].dsse_sha256
+    assert [r.outcome for r in d] == [Outcome.ABORTED, Outcome.CONFLICT]
+    assert reports[3] is not None and reports[3].outcome is ingest.BatchOutcome.REJECTED
+    assert (e[0].outcome, e[0].log_index) == (Outcome.CREATED, 1)
+    assert [r[1] for r in rows(db_url)] == [a[0].request_id, e[0].request_id]
+
+
+def test_a_stored_request_id_is_existing_and_leaves_no_gap(db_url: str) -> None:
+    """The first attempt takes every request_id for new (no read); the stored one fails
+    that statement on the unique constraint, the retry reads and answers "existing"."""
+    _, producer = provision(db_url)
+    settings = Settings(database_url=db_url)
+    engine = make_engine(settings, pool_size=1)
+    gc = ingest.GroupCommit(make_engine(settings, pool_size=1))
+    first, again = signed(statement(), producer), signed(statement(), producer)
+    try:
+        gc.store(g1 := group(engine, settings, [first]))
+        gc.store(g2 := group(engine, settings, [again, first]))
+        gc.store(g3 := group(engine, settings, [signed(statement(), producer)]))
+    finally:
+        gc.close()
+        engine.dispose()
+    assert g1.report is not None and g2.report is not None and g3.report is not None
+    assert [(r.outcome, r.log_index) for r in g2.report.results] == [
+        (Outcome.CREATED, 1), (Outcome.EXISTING, 0)]
+    assert g3.report.results[0].log_index == 2
+    assert [r[0] for r in rows(db_url)] == [0, 1, 2]
