@@ -34,7 +34,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ledger.core.errors import ValidationFailed
+from ledger.core.errors import validation_failed
 
 ASSERTION_LANGUAGE_VERSION = 1
 MAX_ASSERTIONS = 64
@@ -181,13 +181,7 @@ def parse_assertion_set(obj: Any) -> AssertionSet:
     try:
         return AssertionSet.model_validate(obj)
     except ValidationError as exc:
-        errors: list[dict[str, object]] = [
-            {"loc": ".".join(str(p) for p in e["loc"]), "msg": e["msg"], "type": e["type"]}
-            for e in exc.errors(include_url=False, include_input=False)[:20]]
-        first = errors[0] if errors else {"loc": "", "msg": "invalid"}
-        raise ValidationFailed(
-            f"assertion set is invalid at {first['loc'] or '(root)'}: {first['msg']}",
-            code="invalid_assertions", errors=errors) from None
+        raise validation_failed(exc, "assertion set", "invalid_assertions") from None
 
 
 def assertion_set_json(assertions: AssertionSet) -> dict[str, Any]:

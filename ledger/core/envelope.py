@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from ledger.core import jsonstrict
-from ledger.core.errors import ValidationFailed
+from ledger.core.errors import ValidationFailed, validation_failed
 from ledger.core.fingerprint import fingerprint_id
 
 if TYPE_CHECKING:
@@ -284,16 +284,7 @@ def validate_statement(obj: Any, limits: Limits | None = None) -> EnvelopeStatem
     try:
         return EnvelopeStatement.model_validate(obj, context={"limits": limits or Limits()})
     except ValidationError as exc:
-        errors: list[dict[str, object]] = [
-            {"loc": ".".join(str(p) for p in e["loc"]), "msg": e["msg"], "type": e["type"]}
-            for e in exc.errors(include_url=False, include_input=False)[:20]
-        ]
-        first = errors[0] if errors else {"loc": "", "msg": "invalid"}
-        raise ValidationFailed(
-            f"envelope payload is invalid at {first['loc'] or '(root)'}: {first['msg']}",
-            code="invalid_envelope",
-            errors=errors,
-        ) from None
+        raise validation_failed(exc, "envelope payload", "invalid_envelope") from None
 
 
 _FP_CACHE: dict[str, str] = {}

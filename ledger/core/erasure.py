@@ -31,6 +31,7 @@ from ledger.core import dsse
 from ledger.core.canonical import canonical_json
 from ledger.core.envelope import STATEMENT_TYPE
 from ledger.core.errors import LedgerError, VerificationError
+from ledger.core.statements import parse_timestamp
 
 ERASURE_PREDICATE_TYPE = "urn:inference-ledger:erasure:v1"
 ERASURE_KINDS = ("subject", "retention")
@@ -135,15 +136,7 @@ class ErasureRecord:
 
 
 def _parse_time(value: Any, what: str) -> datetime:
-    if not isinstance(value, str):
-        raise ErasureError(f"{what} must be an RFC 3339 time")
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError as exc:
-        raise ErasureError(f"{what} is not an RFC 3339 time") from exc
-    if parsed.tzinfo is None:
-        raise ErasureError(f"{what} lacks a UTC offset")
-    return parsed
+    return parse_timestamp(value, what, ErasureError)
 
 
 def erasure_predicate(payload: bytes) -> dict[str, Any]:

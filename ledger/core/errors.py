@@ -7,6 +7,8 @@ of these. The API maps each to a problem+json response in one place
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class LedgerError(Exception):
     """Base of every error the core raises."""
@@ -35,6 +37,17 @@ class ValidationFailed(LedgerError):
                  errors: list[dict[str, object]] | None = None) -> None:
         super().__init__(message, code=code)
         self.errors = errors or []
+
+
+def validation_failed(exc: Any, what: str, code: str) -> ValidationFailed:
+    """The :class:`ValidationFailed` for a pydantic ``ValidationError`` ``exc``: the first
+    error in the message (``<what> is invalid at <loc>: <msg>``), up to 20 in ``errors``."""
+    errors: list[dict[str, object]] = [
+        {"loc": ".".join(str(p) for p in e["loc"]), "msg": e["msg"], "type": e["type"]}
+        for e in exc.errors(include_url=False, include_input=False)[:20]]
+    first = errors[0] if errors else {"loc": "", "msg": "invalid"}
+    return ValidationFailed(f"{what} is invalid at {first['loc'] or '(root)'}: {first['msg']}",
+                            code=code, errors=errors)
 
 
 class VerificationError(LedgerError):

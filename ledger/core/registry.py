@@ -29,6 +29,7 @@ from ledger.core.statements import (
     GATE_EVENT_KIND,
     RETENTION_EVENT_KIND,
     RUN_EVENT_KIND,
+    parse_timestamp,
     record_digest,
 )
 
@@ -128,15 +129,7 @@ class AdminEventRecord:
 def _time(value: Any, what: str, *, optional: bool = False) -> datetime | None:
     if value is None and optional:
         return None
-    if not isinstance(value, str):
-        raise RegistryError(f"{what} must be an RFC 3339 time")
-    try:
-        parsed = datetime.fromisoformat(value)
-    except ValueError as exc:
-        raise RegistryError(f"{what} is not an RFC 3339 time") from exc
-    if parsed.tzinfo is None:
-        raise RegistryError(f"{what} lacks a UTC offset")
-    return parsed
+    return parse_timestamp(value, what, RegistryError)
 
 
 def _str(obj: Mapping[str, Any], name: str, what: str) -> str:

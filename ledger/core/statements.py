@@ -31,6 +31,7 @@ from typing import Any
 
 from ledger.core.canonical import canonical_json, sha256_hex
 from ledger.core.envelope import STATEMENT_TYPE
+from ledger.core.errors import LedgerError
 from ledger.core.states import VerdictOutcome
 
 VERDICT_PREDICATE_TYPE = "urn:inference-ledger:verdict:v1"
@@ -91,6 +92,19 @@ def timestamp(value: datetime | None) -> str | None:
     if value.tzinfo is None:
         raise ValueError("a naive datetime in a signed statement")
     return value.astimezone(UTC).isoformat()
+
+
+def parse_timestamp(value: Any, what: str, error: type[LedgerError]) -> datetime:
+    """A time a signed statement states (RFC 3339 with an offset); ``error`` otherwise."""
+    if not isinstance(value, str):
+        raise error(f"{what} must be an RFC 3339 time")
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise error(f"{what} is not an RFC 3339 time") from exc
+    if parsed.tzinfo is None:
+        raise error(f"{what} lacks a UTC offset")
+    return parsed
 
 
 def signing_key_record(*, keyid: str, public_key: bytes, purpose: str, name: str,

@@ -40,7 +40,7 @@ from ledger.core.envelope import (
     ShortStr,
     Subject,
 )
-from ledger.core.errors import ValidationFailed
+from ledger.core.errors import validation_failed
 from ledger.core.fingerprint import fingerprint_id
 
 VENDOR_ENVELOPE_PREDICATE_TYPE = "urn:inference-ledger:envelope:v2"
@@ -233,13 +233,7 @@ def validate_vendor_statement(obj: Any) -> VendorEnvelopeStatement:
     try:
         return VendorEnvelopeStatement.model_validate(obj)
     except ValidationError as exc:
-        errors: list[dict[str, object]] = [
-            {"loc": ".".join(str(p) for p in e["loc"]), "msg": e["msg"], "type": e["type"]}
-            for e in exc.errors(include_url=False, include_input=False)[:20]]
-        first = errors[0] if errors else {"loc": "", "msg": "invalid"}
-        raise ValidationFailed(
-            f"envelope payload is invalid at {first['loc'] or '(root)'}: {first['msg']}",
-            code="invalid_envelope", errors=errors) from None
+        raise validation_failed(exc, "envelope payload", "invalid_envelope") from None
 
 
 def _tokens(usage: Any, name: str) -> int:

@@ -25,7 +25,13 @@ from ledger.core import dsse
 from ledger.core.errors import KeyError_, LedgerError
 from ledger.core.keys import key_id
 from ledger.core.logentry import log_entry_bytes
-from ledger.core.registry import RegisteredKey, Registry, RegistryError, open_admin_event
+from ledger.core.registry import (
+    RegisteredKey,
+    RegisteredRun,
+    Registry,
+    RegistryError,
+    open_admin_event,
+)
 from ledger.core.statements import (
     admin_event_statement,
     api_key_record,
@@ -337,60 +343,49 @@ def _policy_problems(session: Session, registry: Registry) -> list[Problem]:
                              f"creates re-verification policy {pid} "
                              f"({reg.record['name']!r}), which reverification_policies "
                              "lacks and no leaf deleted"))
-    seen_runs: set[str] = set()
-    for run in session.scalars(select(ReverificationRun).order_by(
-            ReverificationRun.created_at)):
-        rid = str(run.id)
-        seen_runs.add(rid)
+    runs = list(session.scalars(select(ReverificationRun).order_by(
+        ReverificationRun.created_at)))
+    claimed = []
+    for run in runs:
         if run.kind == "gate":
-            problems.extend(_gate_problems(run, registry))
-            continue
-        what = f"re-verification run {rid}"
-        reg_run = registry.runs.get(rid)
-        if reg_run is None:
-            problems.append((None, f"{what} has no window-claim leaf signed by a trusted "
-                                   "service key"))
             continue
         stated = run_event(run)
-        if run.policy_id is None:  # detached when its policy was deleted (by a leaf)
-            policy = registry.policies.get(str(reg_run.record["policy_id"]))
+        leaf = registry.runs.get(stated["id"])
+        if run.policy_id is None and leaf is not None:  # detached: its policy was deleted
+            policy = registry.policies.get(str(leaf.record["policy_id"]))
             if policy is not None and policy.deleted_index is not None:
-                stated["policy_id"] = reg_run.record["policy_id"]
-        for name, value in stated.items():
-            _differs(problems, reg_run.index, what, name, value, reg_run.record[name])
-    for rid, reg_run in registry.runs.items():
-        if rid not in seen_runs:
-            problems.append((reg_run.index, f"the leaf at log index {reg_run.index} claims "
-                             f"re-verification run {rid}, which reverification_runs lacks"))
-    seen_retention: set[str] = set()
-    for ret in session.scalars(select(RetentionPolicy).order_by(RetentionPolicy.created_at)):
-        rid = str(ret.id)
-        seen_retention.add(rid)
-        what = f"retention policy {rid} ({ret.name!r})"
-        reg_ret = registry.retention.get(rid)
-        if reg_ret is None:
-            problems.append((None, f"{what} has no creation leaf signed by a trusted "
+                stated["policy_id"] = leaf.record["policy_id"]
+        claimed.append((f"re-verification run {run.id}", stated))
+    _against_leaves(problems, claimed, registry.runs, missing="window-claim",
+                    verb="claims", noun="re-verification run", table="reverification_runs")
+    _against_leaves(problems, [(f"fingerprint gate {r.id}", gate_event(r)) for r in runs
+                               if r.kind == "gate"],
+                    registry.gates, missing="claim", verb="claims", noun="fingerprint gate",
+                    table="reverification_runs")
+    _against_leaves(problems, [(f"retention policy {r.id} ({r.name!r})", retention_event(r))
+                               for r in session.scalars(select(RetentionPolicy).order_by(
+                                   RetentionPolicy.created_at))],
+                    registry.retention, missing="creation", verb="creates",
+                    noun="retention policy", table="retention_policies")
+    return problems
+
+
+def _against_leaves(problems: list[Problem], rows: list[tuple[str, dict[str, Any]]],
+                    leaves: Mapping[str, RegisteredRun], *, missing: str, verb: str,
+                    noun: str, table: str) -> None:
+    """Rows (what, the record their leaf must state) against leaves by id: a row without
+    a leaf, a column the leaf states otherwise, a leaf whose row is gone."""
+    seen: set[str] = set()
+    for what, stated in rows:
+        seen.add(stated["id"])
+        leaf = leaves.get(stated["id"])
+        if leaf is None:
+            problems.append((None, f"{what} has no {missing} leaf signed by a trusted "
                                    "service key"))
             continue
-        for name, value in retention_event(ret).items():
-            _differs(problems, reg_ret.index, what, name, value, reg_ret.record[name])
-    for rid, reg_ret in registry.retention.items():
-        if rid not in seen_retention:
-            problems.append((reg_ret.index, f"the leaf at log index {reg_ret.index} creates "
-                             f"retention policy {rid}, which retention_policies lacks"))
-    for gid, reg_gate in registry.gates.items():
-        if gid not in seen_runs:
-            problems.append((reg_gate.index, f"the leaf at log index {reg_gate.index} claims "
-                             f"fingerprint gate {gid}, which reverification_runs lacks"))
-    return problems
-
-
-def _gate_problems(run: ReverificationRun, registry: Registry) -> list[Problem]:
-    what = f"fingerprint gate {run.id}"
-    reg = registry.gates.get(str(run.id))
-    if reg is None:
-        return [(None, f"{what} has no claim leaf signed by a trusted service key")]
-    problems: list[Problem] = []
-    for name, value in gate_event(run).items():
-        _differs(problems, reg.index, what, name, value, reg.record[name])
-    return problems
+        for name, value in stated.items():
+            _differs(problems, leaf.index, what, name, value, leaf.record[name])
+    for rid, leaf in leaves.items():
+        if rid not in seen:
+            problems.append((leaf.index, f"the leaf at log index {leaf.index} {verb} {noun} "
+                             f"{rid}, which {table} lacks"))
