@@ -25,7 +25,8 @@ ROLE_FOR_PERM = {"envelopes:read": "reviewer", "envelopes:write": "ingester",
                  "keys:read": "admin", "keys:write": "admin", "apikeys:admin": "admin",
                  "audit:read": "auditor", "export": "auditor", "disputes:read": "reviewer",
                  "disputes:write": "reviewer", "policies:read": "admin",
-                 "policies:write": "admin", "workers:read": "reviewer", "log:read": "reviewer"}
+                 "policies:write": "admin", "workers:read": "reviewer", "log:read": "reviewer",
+                 "privacy:admin": "admin"}
 
 
 def _stored(api: ApiServer) -> tuple[str, int]:
