@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import MISSING
 from dataclasses import fields as dataclass_fields
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, get_type_hints
@@ -97,14 +98,15 @@ class _StoredIndexFields(BaseModel):
 
 
 #: An envelope's index columns: :class:`ledger.core.envelope.IndexFields` (from the signed
-#: statement) plus what storing it added.
+#: statement) plus what storing it added. A field with a default there (``data_subject``:
+#: not a column) is not served.
 if TYPE_CHECKING:
     IndexFieldsOut = _StoredIndexFields
 else:
     IndexFieldsOut = create_model(
         "IndexFieldsOut", __base__=_StoredIndexFields,
         **{f.name: (get_type_hints(IndexFields)[f.name], ...)
-           for f in dataclass_fields(IndexFields)})
+           for f in dataclass_fields(IndexFields) if f.default is MISSING})
 
 
 class EnvelopeOut(BaseModel):
