@@ -47,6 +47,30 @@ if not CUDA:
         _patch_numpy2._numpy2 = True  # type: ignore[attr-defined]
         _interp._patch_lang_tensor = _patch_numpy2
 
+    if not getattr(_interp.InterpreterBuilder.create_dot, "_fixed_order", False):
+        import numpy as np
+
+        def _fixed_order_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+            """The interpreter's ``tl.dot`` is numpy's BLAS matmul, whose summation order
+            depends on the block's shape and the CPU (OpenBLAS picks kernels by both: on
+            AMD EPYC the 64- and 128-row tiles round differently). A GPU's MMA accumulates
+            each output element over K in an order the tile shape does not change, which is
+            what the kernels' batch invariance rests on; model that: k ascending, one
+            rounding per multiply and per add, in the accumulator's dtype."""
+            a_data, b_data = a.data, b.data
+            if a_data.ndim != 2 or a.dtype.primitive_bitwidth == 8:
+                return _orig_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+            dtype = d.data.dtype
+            acc = d.data.astype(dtype, copy=True)
+            a_acc, b_acc = a_data.astype(dtype), b_data.astype(dtype)
+            for k in range(a_acc.shape[1]):
+                acc += np.multiply.outer(a_acc[:, k], b_acc[k, :])
+            return _interp.TensorHandle(acc, d.dtype.scalar)
+
+        _orig_dot = _interp.InterpreterBuilder.create_dot
+        _fixed_order_dot._fixed_order = True  # type: ignore[attr-defined]
+        _interp.InterpreterBuilder.create_dot = _fixed_order_dot
+
 DEV = torch.device("cuda" if CUDA else "cpu")
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 # Relative Frobenius error vs float64. The interpreter casts fp32 -> bf16 by truncation
