@@ -211,3 +211,8 @@ def create_policy(session: Session, signer: Signer, *, name: str, erase_after_da
     append_admin_event(session, signer, kind="retention.created", actor=created_by,
                        retention=retention_event(row))
     return row
+
+
+def list_policies(session: Session) -> list[RetentionPolicy]:
+    """Every retention policy, by name."""
+    return list(session.scalars(select(RetentionPolicy).order_by(RetentionPolicy.name)))

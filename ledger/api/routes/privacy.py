@@ -7,7 +7,6 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ledger.api.auth import require
@@ -113,5 +112,4 @@ def list_retention_policies(
     _: Principal = Depends(require("privacy:admin")),
     session: Session = Depends(get_session),
 ) -> list[RetentionPolicyOut]:
-    return [_policy_out(r) for r in
-            session.scalars(select(RetentionPolicy).order_by(RetentionPolicy.name))]
+    return [_policy_out(r) for r in erasure.list_policies(session)]
