@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -159,11 +159,7 @@ def retention_vouched(session: Session, row: RetentionPolicy,
                                 hashlib.sha256(dsse_bytes).hexdigest()):
         return "its leaf's log entry does not commit to the stored signed event"
 
-    def public_key_for(kid: str) -> bytes:
-        if kid not in trusted:
-            raise KeyError_(f"key {kid} is not a trusted service key", code="unknown_key")
-        return trusted[kid]
-
+    public_key_for = _service_key_lookup(trusted)
     try:
         pred = open_admin_event(dsse.envelope_from_json(dsse_bytes), public_key_for).predicate
         stated = check_retention_record(pred)
@@ -172,6 +168,16 @@ def retention_vouched(session: Session, row: RetentionPolicy,
     if dict(stated) != retention_event(row):
         return "its row differs from the policy its signed leaf states"
     return None
+
+
+def _service_key_lookup(trusted: Mapping[str, bytes]) -> Callable[[str], bytes]:
+    """keyid -> public key among ``trusted``; refuses any other key (for open_admin_event)."""
+    def public_key_for(kid: str) -> bytes:
+        found = trusted.get(kid)
+        if found is None:
+            raise KeyError_(f"key {kid} is not a trusted service key", code="unknown_key")
+        return found
+    return public_key_for
 
 
 def _trusted_signers(session: Session, trust: TrustPolicy | None) -> tuple[dict[str, bytes],
@@ -187,11 +193,7 @@ def registry_from_leaves(session: Session, trust: TrustPolicy | None
     """Fold every admin_event leaf that verifies; problems for those that do not."""
     signers, source = _trusted_signers(session, trust)
     problems: list[Problem] = []
-    def public_key_for(kid: str) -> bytes:
-        found = signers.get(kid)
-        if found is None:
-            raise KeyError_(f"key {kid} is not a trusted service key", code="unknown_key")
-        return found
+    public_key_for = _service_key_lookup(signers)
 
     registry = Registry()
     rows = session.execute(
