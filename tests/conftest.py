@@ -21,7 +21,7 @@ from ledger.core.keys import generate_private_key, private_pem, public_raw
 from ledger.db.session import make_engine, session_scope, upgrade
 from ledger.services.apikeys import ROLES, create_api_key
 from ledger.services.keys import register_key
-from tests.helpers import TEST_PEPPER, ApiServer, free_port, run_server
+from tests.helpers import TEST_PEPPER, ApiServer, free_port, run_server, shared_broker_url
 
 ADMIN_PG = os.environ.get("LEDGER_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -105,7 +105,7 @@ def api(module_db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     keys, producer = provision(module_db_url)
     logs = tmp_path_factory.mktemp("logs")
     metrics_port = free_port()
-    env = {"LEDGER_BROKER_URL": "redis://127.0.0.1:6379/15",
+    env = {"LEDGER_BROKER_URL": shared_broker_url(),
            "LEDGER_METRICS_PORT": str(metrics_port)}
     for name in ("log", "service"):
         path = logs / f"{name}.pem"

@@ -56,6 +56,15 @@ def signed(st: dict[str, Any], key: Ed25519PrivateKey) -> dict[str, Any]:
     return envelope_to_json(sign_statement(st, key))
 
 
+def shared_broker_url(offset: int = 0) -> str:
+    """A database of the shared Redis (127.0.0.1:6379) for tests whose jobs nobody consumes:
+    one per pytest-xdist worker (15, 13, 11, ... for gw0, gw1, gw2; ``offset`` 1 gives the
+    even neighbour), so one worker's ``flushdb`` never empties another's."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    return f"redis://127.0.0.1:6379/{15 - 2 * index - offset}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,7 +25,15 @@ from ledger.services import ingest
 from ledger.services.keys import register_key
 from ledger.settings import Settings
 from tests.conftest import provision
-from tests.helpers import REPO, free_port, login_url, run_ledger, signed, statement
+from tests.helpers import (
+    REPO,
+    free_port,
+    login_url,
+    run_ledger,
+    shared_broker_url,
+    signed,
+    statement,
+)
 
 ORIGIN = "ledger.test/roles"
 
@@ -382,7 +390,7 @@ def test_beat_may_not_register_its_own_log_key(logins: dict[str, str], key_file:
     verify."""
     proc = _ledger("beat", env={"LEDGER_DATABASE_URL": logins["beat"],
                                 "LEDGER_LOG_KEY_FILE": str(key_file),
-                                "LEDGER_BROKER_URL": "redis://127.0.0.1:6379/15"})
+                                "LEDGER_BROKER_URL": shared_broker_url()})
     _refused(proc, "LEDGER_LOG_KEY_FILE")
     assert "ledger keys register" in proc.stderr and "--purpose log" in proc.stderr
 

@@ -5,16 +5,27 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from tests.helpers import REPO
 
 
-def test_demo_runs_twice_with_the_expected_outcomes(tmp_path: Path) -> None:
-    data = tmp_path / "demo"
+def test_demo_runs_twice_with_the_expected_outcomes() -> None:
+    # Not under tmp_path: the embedded server runs as another user (as root) and needs to
+    # traverse the path, and pytest (each xdist worker) resets /tmp/pytest-of-USER to 0700.
+    base = Path(tempfile.mkdtemp(prefix="ledger-demo-"))
+    try:
+        _demo_twice(base / "demo")
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _demo_twice(data: Path) -> None:
     for run in (1, 2):
         started = time.monotonic()
         proc = subprocess.run(

@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import serialization
 
 from ledger.core.keys import load_private_pem
 from tests.conftest import provision
-from tests.helpers import REPO, free_port, run_server, signed, statement
+from tests.helpers import REPO, free_port, run_server, shared_broker_url, signed, statement
 
 
 def _private_forms(pem: bytes) -> list[bytes]:
@@ -42,7 +42,7 @@ def test_private_keys_never_logged_or_served(db_url: str, tmp_path: Path) -> Non
     api_keys, producer = provision(db_url)
     extra = {"LEDGER_LOG_KEY_FILE": str(keys_dir / "log.pem"),
              "LEDGER_SERVICE_KEY_FILE": str(keys_dir / "service.pem"),
-             "LEDGER_BROKER_URL": "redis://127.0.0.1:6379/15",
+             "LEDGER_BROKER_URL": shared_broker_url(),
              "LEDGER_METRICS_PORT": str(metrics_port := free_port())}
     with run_server(db_url, extra_env={**extra}, log_dir=tmp_path) as server:
         headers = {"Authorization": f"Bearer {api_keys['admin']}"}

@@ -19,7 +19,7 @@ from ledger.api.app import create_app
 from ledger.settings import Settings
 from tests.api.test_roles import _routes
 from tests.conftest import provision
-from tests.helpers import ApiServer, free_port, run_server, signed, statement
+from tests.helpers import ApiServer, free_port, run_server, shared_broker_url, signed, statement
 
 ROLE_FOR_PERM = {"envelopes:read": "reviewer", "envelopes:write": "ingester",
                  "keys:read": "admin", "keys:write": "admin", "apikeys:admin": "admin",
@@ -172,7 +172,7 @@ def test_metrics_are_not_on_the_api_port_and_listen_on_loopback_only(
         db_url: str, tmp_path: Path, workers: int) -> None:
     keys, producer = provision(db_url)
     port = free_port()
-    env = {"LEDGER_METRICS_PORT": str(port), "LEDGER_BROKER_URL": "redis://127.0.0.1:6379/13"}
+    env = {"LEDGER_METRICS_PORT": str(port), "LEDGER_BROKER_URL": shared_broker_url(1)}
     with run_server(db_url, workers=workers, extra_env=env, log_dir=tmp_path) as server:
         server.keys = keys
         with server.client() as anon:

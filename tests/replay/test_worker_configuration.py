@@ -21,7 +21,7 @@ from ledger.core.keys import private_pem
 from ledger.db.models import JobAttempt, ReplayJob, Verdict
 from ledger.db.session import session_scope
 from ledger.settings import Settings
-from tests.helpers import REPO, login_url
+from tests.helpers import REPO, login_url, shared_broker_url
 from tests.replay.conftest import ORIGIN, Stack, record
 from tests.replay.test_replay_inprocess import ingest_all, open_dispute
 
@@ -114,7 +114,7 @@ def test_fingerprint_command_prints_what_a_started_worker_prints(stack: Stack,
             [sys.executable, "-m", "ledger.cli.main", "worker", "--models", "tiny-demo",
              "--log-level", "WARNING"], cwd=REPO, stdout=fh, stderr=subprocess.STDOUT,
             env={**env, **_env(stack, key, LEDGER_LOG_NAME=ORIGIN),
-                 "LEDGER_BROKER_URL": "redis://127.0.0.1:6379/15", "COLUMNS": "200"})
+                 "LEDGER_BROKER_URL": shared_broker_url(), "COLUMNS": "200"})
     try:
         deadline = time.monotonic() + 240
         started = None
