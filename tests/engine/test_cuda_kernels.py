@@ -394,3 +394,47 @@ def test_gpu_decode_attention_invariant(dtype: torch.dtype) -> None:
         out = ck.bi_decode_attention(q, kc, vc, lens.to(DEV), scale)[pos]
         alone = out if alone is None else alone
         assert torch.equal(out, alone), f"probe differs at B={bsz}"
+
+
+# ----------------------------------------------------------------------------------------
+# silu(gate) * up
+# ----------------------------------------------------------------------------------------
+
+
+def test_silu_mul_matches_torch_on_strided_halves() -> None:
+    """The kernel on the gate/up halves of one projection output (row-strided views), in
+    the interpreter off-GPU: torch's formula up to the last bit of numpy's exp."""
+    g = torch.Generator().manual_seed(3)
+    gate_up = (torch.randn(5, 2 * 300, generator=g) * 6).to(DEV)
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    got = ck.silu_mul(gate, up)
+    assert got.shape == want.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-30)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_silu_mul_bits_equal_torch_for_every_gate_value(dtype: torch.dtype) -> None:
+    """Every 16-bit gate value (NaN, inf, subnormals included) against several up values:
+    the fused kernel's bits are ``F.silu(gate) * up``'s, so using it changes no result."""
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16) \
+        .view(dtype).to("cuda")                                                 # [65536]
+    ups = torch.tensor([1.0, -1.0, 0.5, 3.140625, -1e-3, 65504.0 if dtype == torch.float16
+                        else 3e38, 0.0], dtype=dtype, device="cuda")
+    gate = every[None, :].expand(len(ups), -1).contiguous()                     # [7, 65536]
+    up = ups[:, None].expand(-1, every.numel()).contiguous()
+    want = torch.nn.functional.silu(gate) * up
+    got = ck.silu_mul(gate, up)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@gpu
+@needs_cuda
+def test_gpu_silu_mul_bits_equal_torch_fp32_llama_shape() -> None:
+    g = torch.Generator(device="cuda").manual_seed(5)
+    gate_up = torch.randn(64, 2 * 14336, device="cuda", generator=g) * 8
+    gate, up = gate_up.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    assert torch.equal(ck.silu_mul(gate, up).view(torch.int32), want.view(torch.int32))

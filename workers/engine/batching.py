@@ -326,7 +326,7 @@ class ContinuousBatcher:
         chosen = self._sampler.choose(logits, steps, sampler_rows)            # [R]
         logprobs = ops.log_softmax(logits)                                    # fp32 [R, V]
         chosen_lp = logprobs.gather(1, chosen[:, None])[:, 0]
-        digests = _StepDigests(self._digester.submit(logits))
+        staged = self._digester.stage(logits)                         # see digests.py
         top = self._top_logprobs(seqs, logprobs) if self._want_top else None
         self._sampler.record(chosen, sampler_rows)
         # The step's one device->host sync: token ids and logprob bits together.
@@ -353,6 +353,7 @@ class ContinuousBatcher:
                     tokens, positions = tokens[:len(kept)], positions[:len(kept)]
             if self._active:
                 self._launch(list(range(len(self._active))), tokens, positions)
+        digests = _StepDigests(self._digester.start(staged))   # type: ignore[arg-type]
         stats.generated_tokens += len(rows)
         for r, (seq, token, lp) in enumerate(zip(seqs, token_ids, token_lps, strict=True)):
             result = seq.result

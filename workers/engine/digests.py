@@ -7,8 +7,9 @@ hashing thread gets through in the GPU's step time, so on CUDA:
 
 * the row block is copied on the compute stream into a staging buffer (a device-to-device
   copy, ~16 us), so the next step may overwrite the logits at once;
-* a second stream copies the staging buffer into pinned host memory while the next step
-  computes;
+* once the step's tokens are on the host, a second stream copies the staging buffer into
+  pinned host memory while the next step computes (not before: the copy engine would make
+  the tokens' few bytes wait behind those 33 MB);
 * several threads hash row chunks once that copy's event has fired (``hashlib`` releases
   the GIL on large buffers).
 
@@ -51,9 +52,16 @@ class CpuDigester:
     def __init__(self, pool: ThreadPoolExecutor) -> None:
         self.pool = pool
 
-    def submit(self, logits: Tensor) -> list[Future[list[str]]]:
+    def stage(self, logits: Tensor) -> Tensor:
+        """Hold this step's logits (host tensors: nothing to copy)."""
+        return logits
+
+    def start(self, staged: Tensor) -> list[Future[list[str]]]:
         """Digests of the rows of fp32 logits [B, V], as futures of row chunks in order."""
-        return [self.pool.submit(logits_digests, logits.cpu())]
+        return [self.pool.submit(logits_digests, staged.cpu())]
+
+    def submit(self, logits: Tensor) -> list[Future[list[str]]]:
+        return self.start(self.stage(logits))
 
 
 def _hash_rows(ready: torch.cuda.Event, rows: Any, lo: int, hi: int) -> list[str]:
@@ -112,16 +120,26 @@ class CudaDigester:
         assert sys.byteorder == "little", "digests are defined over little-endian binary32"
         self.ring, self.pool, self.threads = ring, pool, threads
 
-    def submit(self, logits: Tensor) -> list[Future[list[str]]]:
-        """Digests of the rows of fp32 logits [B, V] (on the device), as futures of row
-        chunks in order. Returns at once; ``logits`` may be overwritten by later work on the
-        current stream."""
+    def stage(self, logits: Tensor) -> tuple[_Slot, int]:
+        """Copy fp32 logits [B, V] (on the device) into a staging buffer, on the current
+        stream: afterwards ``logits`` may be overwritten by later work on that stream.
+
+        The copy to the host waits for :meth:`start`, which the batcher calls after the
+        step's one device-to-host sync: a 33 MB copy queued on the side stream first would
+        hold that sync's few bytes behind it on the copy engine (~0.9 ms per step on an
+        H200, ``benchmarks/engine_steps.py``)."""
         b, v = logits.shape
         slot = self.ring.slot(b, v)
         compute = torch.cuda.current_stream(self.ring.device)
         compute.wait_event(slot.copied)         # the last copy out of this staging is done
         slot.staging[:b].copy_(logits)
         slot.ready.record(compute)
+        return slot, b
+
+    def start(self, staged: tuple[_Slot, int]) -> list[Future[list[str]]]:
+        """Copy the staged rows to pinned memory on the side stream and hash them on the
+        pool; futures of row chunks in order."""
+        slot, b = staged
         side = self.ring.stream
         side.wait_event(slot.ready)
         with torch.cuda.stream(side):
@@ -132,3 +150,7 @@ class CudaDigester:
         slot.futures = [self.pool.submit(_hash_rows, slot.copied, rows, lo, min(lo + step, b))
                         for lo in range(0, b, step)]
         return list(slot.futures)
+
+    def submit(self, logits: Tensor) -> list[Future[list[str]]]:
+        """Digests of the rows of fp32 logits [B, V] (on the device), at once."""
+        return self.start(self.stage(logits))

@@ -11,7 +11,7 @@ off                ordinary torch: ``F.linear``, ``log_softmax``; on CPU
                    (``torch_kernels.fast_*_cuda``: no host sync in decode)
 =================  ===========================  ==================================
 
-``silu_mul`` is elementwise: on CUDA both modes use ``F.silu(gate) * up``.
+``silu_mul`` is elementwise: on CUDA both modes compute ``F.silu(gate) * up``'s bits.
 
 The mode is scoped (like Thinking Machines' ``set_batch_invariant_mode``, but with
 ``try/finally``) and held in a ``ContextVar``, so it cannot leak past the ``with`` block,
@@ -144,11 +144,17 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     """silu(gate) * up, [M, I].
 
     Elementwise, so batch invariant wherever every element runs the same code. On CUDA that
-    holds for torch's fused ``F.silu`` (one functor per element, vectorised or not), so both
-    modes use it there. On CPU the invariant mode needs the exp form (see ``torch_kernels``).
+    holds for torch's fused ``F.silu`` (one functor per element, vectorised or not); the
+    invariant mode runs the same bits in one Triton launch (``cuda_kernels.silu_mul``), the
+    default mode torch's two kernels. On CPU the invariant mode needs the exp form (see
+    ``torch_kernels``).
     """
-    if _BATCH_INVARIANT.get() and not gate.is_cuda:
-        return torch_kernels.silu_mul(gate, up)
+    if _BATCH_INVARIANT.get():
+        if not gate.is_cuda:
+            return torch_kernels.silu_mul(gate, up)
+        module = cuda_kernels()
+        if module is not None:
+            return module.silu_mul(gate, up)  # type: ignore[no-any-return]
     return torch_kernels.fast_silu_mul(gate, up)
 
 
