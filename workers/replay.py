@@ -42,30 +42,26 @@ from ledger.artifacts import model_sha256
 from ledger.core import dsse
 from ledger.core.compare import Side, compare
 from ledger.core.envelope import EnvelopeStatement, Limits, index_fields, parse_statement
-from ledger.core.errors import KeyError_, LedgerError
+from ledger.core.errors import LedgerError
 from ledger.core.fingerprint import fingerprint_id as compute_fingerprint_id
-from ledger.core.logentry import verify_record_included
-from ledger.core.note import NoteVerifier, open_checkpoint
+from ledger.core.note import NoteVerifier
 from ledger.core.registry import RegisteredKey
 from ledger.core.sealing import KeyEncryptionKey
 from ledger.core.states import DISPUTE_DECIDED, DisputeState, JobState
 from ledger.core.trust import TrustPolicy, load_trust_policy
 from ledger.db.models import (
-    Envelope,
     JobAttempt,
     ReplayJob,
     ReplayJobItem,
     SigningKey,
     Worker,
 )
-from ledger.db.session import raw_cursor, session_scope
-from ledger.log import proofs
-from ledger.log.registry import registry_from_leaves
-from ledger.log.signer import log_verifiers, trusted_log_verifiers
-from ledger.privacy.keys import ErasedContent, Opener, kek_from_settings
+from ledger.db.session import session_scope
+from ledger.privacy.keys import kek_from_settings
 from ledger.replay import disputes
 from ledger.replay import jobs as job_service
 from ledger.replay.records import Signer
+from ledger.replay.trusted import RecordChecker, Unverifiable
 from ledger.replay.verdicts import store_verdict
 from ledger.settings import Settings
 from workers.engine.api import GenerationRequest, GenerationResult, SamplingParams
@@ -76,11 +72,6 @@ log = logging.getLogger("ledger.worker")
 #: Generous limits for reading envelopes back: the ledger already enforced its own.
 READ_LIMITS = Limits(max_prompt_tokens=10**7, max_output_tokens=10**7, max_token_id=2**31,
                      max_top_logprobs=10**4)
-
-
-class Unverifiable(Exception):
-    """An item fails a check before replay: it gets an ``unverifiable`` verdict, with this
-    reason, and is not replayed."""
 
 
 class NoTrustPolicy(RuntimeError):
@@ -366,24 +357,16 @@ class ReplayWorker:
         return [self._check_item(item, producers, foreign_ok=kind == "gate")
                 for item in items]
 
+    def _checker(self) -> RecordChecker:
+        return RecordChecker(self.settings.log_name, self.trust,
+                             kek=kek_from_settings(self.settings))
+
     def _producer_keys(self, session: Any) -> dict[str, RegisteredKey]:
-        """Producer keys this worker believes: vouched for by registry leaves signed by a
-        policy service key (or, insecure, every producer row of the database)."""
-        if self.trust is not None:
-            # the leaves alone (not the key tables: a worker has no business reading
-            # api_keys); a leaf that does not verify vouches for nothing
-            registry, _ = registry_from_leaves(session, self.trust)
-            return {kid: k for kid, k in registry.keys.items() if k.purpose == "producer"}
-        return {k.keyid: RegisteredKey(bytes(k.public_key), k.purpose, k.name, k.not_before,
-                                       k.not_after, k.revoked_at, k.keyid,
-                                       vouched_by="database")
-                for k in session.scalars(select(SigningKey).where(
-                    SigningKey.purpose == "producer"))}
+        """Producer keys this worker believes (:meth:`RecordChecker.producer_keys`)."""
+        return self._checker().producer_keys(session)
 
     def _log_verifiers(self, session: Any) -> list[NoteVerifier]:
-        if self.trust is not None:
-            return trusted_log_verifiers(self.trust, self.settings.log_name)
-        return log_verifiers(session, self.settings.log_name)
+        return self._checker().log_verifiers(session)
 
     def _check_item(self, item: ReplayJobItem, producers: dict[str, RegisteredKey], *,
                     foreign_ok: bool = False) -> Prepared:
@@ -412,66 +395,16 @@ class ReplayWorker:
     def _signed_envelope(session: Any, item: ReplayJobItem,
                          producers: dict[str, RegisteredKey],
                          kek: KeyEncryptionKey | None = None) -> dsse.Envelope:
-        """The stored envelope (opened with the KEK where it is encrypted at rest), its
-        signature checked against a producer key this worker believes (valid at the
-        envelope's log index). An erased envelope ends ``unverifiable: erased``."""
-        env = session.get(Envelope, item.envelope_index)
-        if env is None:
-            raise Unverifiable("the envelope record is missing")
-        try:
-            with raw_cursor(session) as cur:
-                dsse_bytes = Opener(cur, kek).open(bytes(env.dsse), bytes(env.dsse_sha256),
-                                                   item.envelope_index)
-        except ErasedContent as erased:
-            raise Unverifiable(erased.reason) from None
-        except LedgerError as exc:
-            raise Unverifiable(f"encrypted at rest: {exc.message}") from exc
-
-        def producer_key(kid: str) -> bytes:
-            key = producers.get(kid)
-            if key is None:
-                raise KeyError_(f"producer key {kid} is not vouched for by a registry "
-                                "leaf signed by a trusted service key")
-            why = key.valid_at_index(item.envelope_index)
-            if why is not None:
-                raise KeyError_(why)
-            return key.public_key
-
-        try:
-            envelope = dsse.envelope_from_json(dsse_bytes)
-            dsse.verify_envelope(envelope, producer_key)
-        except LedgerError as exc:
-            raise Unverifiable(f"bad signature: {exc.message}") from exc
-        return envelope
-
-    @staticmethod
-    def _receipt(session: Any, index: int, wait_s: float = 30) -> proofs.InclusionReceipt:
-        """The entry's inclusion proof, waiting up to ``wait_s`` for a checkpoint to
-        cover it."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                return proofs.inclusion(session, index)
-            except proofs.NotYetIntegrated:
-                session.rollback()
-                if time.monotonic() > deadline:
-                    raise Unverifiable("the envelope is not in a signed checkpoint yet") from None
-                time.sleep(0.2)
+        """The stored envelope, its signature checked against a producer key this worker
+        believes (:meth:`RecordChecker.signed_envelope`)."""
+        return RecordChecker.signed_envelope(session, item.envelope_index, producers, kek)
 
     def _check_in_log(self, session: Any, item: ReplayJobItem,
                       envelope: dsse.Envelope) -> dict[str, Any]:
-        """Check the envelope is in a checkpoint signed by a log key this worker trusts;
-        the checkpoint's size and root (hex)."""
-        receipt = self._receipt(session, item.envelope_index)
-        try:
-            checkpoint = open_checkpoint(receipt.checkpoint.note, self._log_verifiers(session),
-                                         origin=self.settings.log_name)
-            verify_record_included("envelope", item.request_id, envelope.canonical_bytes(),
-                                   item.envelope_index, checkpoint.size, checkpoint.root_hash,
-                                   receipt.proof, served_entry=receipt.entry)
-        except LedgerError as exc:
-            raise Unverifiable(f"not verifiably in the log: {exc.message}") from exc
-        return {"tree_size": checkpoint.size, "root_hash": checkpoint.root_hash.hex()}
+        """The envelope is in a checkpoint signed by a log key this worker trusts
+        (:meth:`RecordChecker.check_in_log`)."""
+        return self._checker().check_in_log(session, item.envelope_index, item.request_id,
+                                            envelope)
 
     def _read_request(self, prep: Prepared, envelope: dsse.Envelope, *,
                       foreign_ok: bool) -> None:

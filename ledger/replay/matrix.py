@@ -143,12 +143,18 @@ class CellResult:
 
 
 def report(cells: Sequence[CellResult], *, runtime: Mapping[str, Any],
-           records: Sequence[str], source: str) -> dict[str, Any]:
-    """The JSON report of a matrix run."""
+           records: Sequence[str], source: str,
+           unverified: Sequence[Mapping[str, Any]] = (),
+           verification: str | None = None) -> dict[str, Any]:
+    """The JSON report of a matrix run. ``records``: the request IDs replayed (each
+    checked first); ``unverified``: those that failed a check (``request_id``,
+    ``log_index``, ``reason``), not replayed; ``verification``: what the checks believed."""
     return {
         "_type": REPORT_TYPE,
         "source": source,
+        "verification": verification,
         "records": list(records),
+        "unverified": [dict(u) for u in unverified],
         "runtime": dict(runtime),
         "cells": [cell.summary() for cell in cells],
         "divergences": {
@@ -228,4 +234,11 @@ def render_html(rep: Mapping[str, Any]) -> str:
         f"{html.escape(str(rep['source']))}; engine {_runtime_text(rep['runtime'])}</p>"
         f"<table><tr>{head}</tr>{body}</table>{svg_plot(rep)}"
         f"<h2>Divergences</h2><ul>{''.join(div) or '<li>none</li>'}</ul>"
+        f"<h2>Not replayed (failed their checks)</h2><ul>{_unverified_html(rep)}</ul>"
     )
+
+
+def _unverified_html(rep: Mapping[str, Any]) -> str:
+    items = [f"<li>{html.escape(str(u.get('request_id')))} (entry {u.get('log_index')}): "
+             f"{html.escape(str(u.get('reason')))}</li>" for u in rep.get("unverified", [])]
+    return "".join(items) or "<li>none</li>"

@@ -52,6 +52,20 @@ class Record:
     output: Mapping[str, Any]
 
 
+def record_from_statement(request_id: str, statement: Any) -> Record:
+    """A matrix record from a signed (and checked) execution envelope statement."""
+    p = statement.predicate
+    out = p.output
+    return Record(
+        request_id=str(p.request_id or request_id), prompt_token_ids=tuple(p.prompt_token_ids),
+        sampling=SamplingParams.from_mapping(p.sampling.model_dump()),
+        output={"token_ids": list(out.token_ids), "logprobs": out.logprobs,
+                "logits_sha256": out.logits_sha256,
+                "top_logprobs": [[(e.token_id, e.logprob) for e in step]
+                                 for step in out.top_logprobs]
+                if out.top_logprobs is not None else None})
+
+
 def parse_cell(spec: str) -> dict[str, Any]:
     """``batch:8+chunk:16`` -> {"batch": 8, "chunk": 16}; ``alone`` -> {}."""
     axes: dict[str, Any] = {}
