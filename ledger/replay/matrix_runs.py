@@ -1,4 +1,4 @@
-"""Matrix runs in the ledger (no torch): sampling and checking the records a run replays.
+"""Matrix runs in the ledger (no torch): the records a run replays, and its signed report.
 
 The records of a matrix run are picked from the database by columns (model, channel),
 a deterministic sample (``sha256(seed || request_id)`` order, as the fingerprint gate
@@ -6,19 +6,38 @@ samples), and then each is *checked* (:class:`ledger.replay.trusted.RecordChecke
 signature under a believed producer key, its inclusion in a checkpoint signed by a
 believed log key) and its signed statement read again: a record that fails is listed in
 the report with the reason and is not replayed.
+
+The report is a leaf of the log (``matrix_run``, :func:`store_matrix_run`), signed by the
+key of the worker that ran it: like a verdict, it states what that worker measured on its
+own runtime, and the service key is not on worker nodes (each private key only where it
+signs). Before a report is served it is checked against that leaf
+(:func:`checked_report`); ``ledger audit`` checks every row.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import text
+from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
+from ledger.core import dsse
+from ledger.core.canonical import sha256_hex
 from ledger.core.envelope import EnvelopeStatement, Limits, parse_statement
-from ledger.core.errors import LedgerError
+from ledger.core.errors import KeyError_, LedgerError
+from ledger.core.logentry import dsse_digest, log_entry_bytes, verify_record_included
+from ledger.core.note import open_checkpoint
+from ledger.core.statements import matrix_report_bytes, matrix_run_statement
+from ledger.db.models import MatrixRun
+from ledger.db.session import raw_cursor
+from ledger.errors import Conflict, NotFound
+from ledger.log import proofs
+from ledger.replay import views
+from ledger.replay.records import Signer, append_signed
 from ledger.replay.trusted import CheckedRecord, RecordChecker, Unverifiable
 
 #: Generous limits for reading envelopes back: the ledger already enforced its own.
@@ -78,3 +97,91 @@ def check_records(session: Session, checker: RecordChecker,
             continue
         out.checked.append((checked, statement))
     return out
+
+
+# --- the signed report -------------------------------------------------------------------
+
+class StoredReportMismatch(Conflict):
+    """A stored matrix report that its signed leaf does not vouch for."""
+
+    code = "matrix_report_mismatch"
+
+
+def run_id_for_job(job_id: uuid.UUID | str) -> str:
+    """Deterministic, so a second delivery of the same job cannot mint a second report."""
+    return f"matrix-{job_id}"
+
+
+def store_matrix_run(session: Session, *, run_id: str, report: Mapping[str, Any],
+                     worker_id: str, fingerprint_id: str, runtime: Mapping[str, Any],
+                     signer: Signer, job_id: uuid.UUID | None = None) -> tuple[MatrixRun, bool]:
+    """Sign the report with ``signer`` (the worker key that ran it) and append it as a
+    ``matrix_run`` leaf, with its ``matrix_runs`` row, in the caller's transaction;
+    (row, created)."""
+    existing = session.scalar(select(MatrixRun).where(MatrixRun.run_id == run_id))
+    if existing is not None:
+        return existing, False
+    statement = matrix_run_statement(
+        run_id=run_id, report=report, job_id=None if job_id is None else str(job_id),
+        worker={"worker_id": worker_id, "fingerprint_id": fingerprint_id,
+                "runtime": dict(runtime), "keyid": signer.keyid},
+        at=datetime.now(UTC))
+    appended = append_signed(session, "matrix_run", run_id, statement, signer)
+    row = MatrixRun(log_index=appended.log_index, run_id=run_id, job_id=job_id,
+                    worker_id=worker_id, fingerprint_id=fingerprint_id,
+                    report=matrix_report_bytes(report), dsse=appended.dsse)
+    session.add(row)
+    session.flush()
+    return row, True
+
+
+def checked_report(session: Session, row: MatrixRun, checker: RecordChecker
+                   ) -> tuple[bytes, dict[str, Any]]:
+    """The stored report bytes, after checking them against their signed leaf: the DSSE
+    bytes are the ones the log entry commits to, signed by a believed worker key, and the
+    report hashes to the digest they sign; and, once a checkpoint covers it, the entry is
+    in a checkpoint signed by a believed log key. (bytes, what was checked); raises
+    :class:`StoredReportMismatch`."""
+    dsse_bytes, report = bytes(row.dsse), bytes(row.report)
+    where = f"matrix run {row.run_id} (log index {row.log_index})"
+    with raw_cursor(session) as cur:
+        cur.execute("SELECT entry FROM log_entries WHERE idx = %s", (row.log_index,))
+        found = cur.fetchone()
+    entry = log_entry_bytes("matrix_run", row.run_id, dsse_digest(dsse_bytes))
+    if found is None or bytes(found[0]) != entry:
+        raise StoredReportMismatch(f"{where}: the log entry does not commit to the stored "
+                                   "signed report; run `ledger audit`")
+    workers = checker.keys(session, "worker")
+
+    def worker_key(kid: str) -> bytes:
+        key = workers.get(kid)
+        if key is None:
+            raise KeyError_(f"{kid} is not a believed worker key")
+        why = key.valid_at_index(row.log_index)
+        if why is not None:
+            raise KeyError_(why)
+        return key.public_key
+
+    try:
+        dsse.verify_envelope(dsse.envelope_from_json(dsse_bytes), worker_key)
+        signed = views.matrix_run_view(dsse_bytes)
+    except LedgerError as exc:
+        raise StoredReportMismatch(f"{where}: {exc.message}") from None
+    if signed["run_id"] != row.run_id or signed["report_sha256"] != sha256_hex(report):
+        raise StoredReportMismatch(f"{where}: the stored report is not the one its worker "
+                                   "signed; run `ledger audit`")
+    checked: dict[str, Any] = {"log_index": row.log_index, "signed_by": signed["keyids"],
+                               "report_sha256": signed["report_sha256"], "checkpoint": None}
+    try:
+        receipt = proofs.inclusion(session, row.log_index)
+        cp = open_checkpoint(receipt.checkpoint.note, checker.log_verifiers(session),
+                             origin=checker.log_name)
+        verify_record_included("matrix_run", row.run_id, dsse_bytes, row.log_index,
+                               cp.size, cp.root_hash, receipt.proof, served_entry=receipt.entry)
+        checked["checkpoint"] = {"tree_size": cp.size, "root_hash": cp.root_hash.hex()}
+    except NotFound:
+        pass                        # not in a checkpoint yet: signed, not yet proven
+    except LedgerError as exc:
+        raise StoredReportMismatch(f"{where}: not verifiably in the log: {exc.message}") \
+            from None
+    return report, checked

@@ -61,18 +61,22 @@ class RecordChecker:
         self.wait_s = wait_s
 
     def producer_keys(self, session: Any) -> dict[str, RegisteredKey]:
-        """Producer keys believed: vouched for by registry leaves signed by a policy
-        service key (or, without a policy, every producer row of the database)."""
+        """Producer keys believed (:meth:`keys`)."""
+        return self.keys(session, "producer")
+
+    def keys(self, session: Any, purpose: str) -> dict[str, RegisteredKey]:
+        """Keys of ``purpose`` believed: vouched for by registry leaves signed by a policy
+        service key (or, without a policy, every such row of the database)."""
         if self.trust is not None:
             # the leaves alone (not the key tables); a leaf that does not verify vouches
             # for nothing
             registry, _ = registry_from_leaves(session, self.trust)
-            return {kid: k for kid, k in registry.keys.items() if k.purpose == "producer"}
+            return {kid: k for kid, k in registry.keys.items() if k.purpose == purpose}
         return {k.keyid: RegisteredKey(bytes(k.public_key), k.purpose, k.name, k.not_before,
                                        k.not_after, k.revoked_at, k.keyid,
                                        vouched_by="database")
                 for k in session.scalars(select(SigningKey).where(
-                    SigningKey.purpose == "producer"))}
+                    SigningKey.purpose == purpose))}
 
     def log_verifiers(self, session: Any) -> list[NoteVerifier]:
         if self.trust is not None:

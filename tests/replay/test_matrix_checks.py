@@ -13,6 +13,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from sqlalchemy import select
 
 pytest.importorskip("torch")
 
@@ -91,3 +92,52 @@ def test_records_from_a_file_are_refused_without_no_verify(tmp_path: Path) -> No
 
 
 
+
+
+def test_signed_report_is_a_leaf_that_audit_and_verify_accept_and_edits_are_caught(
+        stack: Stack, tiny_engine: Any, tmp_path: Path) -> None:
+    from ledger.core.bundle import verify_bundle
+    from ledger.core.keys import private_pem
+    from ledger.db.models import MatrixRun
+    from ledger.log.audit import audit
+    from ledger.log.export import Selection, bundle_lines
+    from ledger.log.integrator import integrate_all
+    from ledger.replay.matrix_runs import StoredReportMismatch, checked_report
+    from ledger.replay.trusted import RecordChecker
+
+    recs = record(tiny_engine, stack.producer, 4, seed=7, prefix="leaf")
+    ingest_all(stack, [r.envelope for r in recs])
+    key = tmp_path / "worker.pem"
+    key.write_bytes(private_pem(stack.worker_signer.key))
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, [
+        "matrix", "run", "--database-url", stack.settings.database_url, "--trust",
+        str(stack.settings.trust_policy_file), "--sample", "0", "--output", str(out),
+        "--cell", "alone", "--sign-with", str(key)])
+    assert result.exit_code == 0, result.output
+    integrate_all(stack.db, stack.log_signer)
+    checker = RecordChecker(stack.settings.log_name, stack.trust)
+    with session_scope(stack.db) as s:
+        (row,) = s.scalars(select(MatrixRun)).all()
+        served, checked = checked_report(s, row, checker)
+        assert json.loads(served) == json.loads(out.read_text())
+        assert checked["checkpoint"] is not None and checked["log_index"] == row.log_index
+        run_id, index = row.run_id, row.log_index
+    report = audit(stack.db, stack.settings.log_name, signatures=True, trust=stack.trust)
+    # (the fixture's API keys are provisioned without registry leaves: reported as such)
+    assert [p for p in report.problems if not p.startswith("registry: ")] == []
+    assert report.signatures_checked == report.entries
+    assert report.records_checked.get("matrix_run") == 1
+    bundle = b"".join(bundle_lines(stack.db, Selection(), signer=stack.service))
+    summary = verify_bundle(bundle, trust=stack.trust)
+    assert summary.by_kind.get("matrix_run") == 1, summary
+    with _superuser(stack.settings.database_url) as conn:   # the insider edits the report
+        (raw,) = conn.execute("SELECT report FROM matrix_runs").fetchone()
+        edited = bytes(raw).replace(b'"bitwise":4', b'"bitwise":3')
+        assert edited != bytes(raw)
+        conn.execute("UPDATE matrix_runs SET report = %s", (edited,))
+    report = audit(stack.db, stack.settings.log_name)
+    assert not report.ok and report.first_bad_index == index
+    assert any("report_sha256" in p and run_id in p for p in report.problems), report.problems
+    with session_scope(stack.db) as s, pytest.raises(StoredReportMismatch):
+        checked_report(s, s.scalars(select(MatrixRun)).one(), checker)
