@@ -297,6 +297,8 @@ class ReplayWorker:
         started = time.perf_counter()
         try:
             prepared = self._prepare(job_id)
+            if self._kind(job_id) == "matrix":
+                return self._run_matrix(job_id, prepared)
             results = self._replay(prepared)
         except Exception as exc:
             log.exception("job %s failed", job_id)
@@ -354,7 +356,9 @@ class ReplayWorker:
             producers = self._producer_keys(session)
         # A gate job replays envelopes of an *earlier* fingerprint on this new runtime on
         # purpose; every other job must match this worker's fingerprint exactly.
-        return [self._check_item(item, producers, foreign_ok=kind == "gate")
+        # A matrix job replays a sample on whatever runtime it was routed to: its report
+        # states that runtime (the fingerprint axis is a run per worker fingerprint).
+        return [self._check_item(item, producers, foreign_ok=kind in ("gate", "matrix"))
                 for item in items]
 
     def _checker(self) -> RecordChecker:
@@ -444,6 +448,65 @@ class ReplayWorker:
         prep.tier = p.tier
         prep.tolerance = p.tolerance.max_abs_logprob_diff if p.tolerance else None
 
+    def _kind(self, job_id: str) -> str | None:
+        with self.db.connect() as conn:
+            kind = conn.execute(select(ReplayJob.kind).where(
+                ReplayJob.id == uuid.UUID(job_id))).scalar()
+            conn.rollback()
+        return kind
+
+    def _run_matrix(self, job_id: str, prepared: list[Prepared]) -> str:
+        """A matrix job: replay its checked records under each of its cells
+        (``workers.engine.matrix``), sign the report with this worker's key and append it
+        (``matrix_run`` leaf and row) as the job finishes. Items that failed a check are
+        listed in the report, not replayed."""
+        from ledger.replay.matrix import DEFAULT_CELLS
+        from ledger.replay.matrix import report as matrix_report
+        from ledger.replay.matrix_runs import run_id_for_job, store_matrix_run
+        from workers.engine.matrix import Record, run_matrix
+
+        with session_scope(self.db) as session:
+            job = session.get(ReplayJob, uuid.UUID(job_id))
+            assert job is not None
+            params = dict(job.params or {})
+        cells = list(params.get("cells") or DEFAULT_CELLS)
+        unverified = [{"request_id": p.item.request_id, "log_index": p.item.envelope_index,
+                       "reason": p.problem} for p in prepared if p.problem is not None]
+        ok = [p for p in prepared if p.problem is None and p.request is not None
+              and p.recorded is not None]
+        records = [Record(p.item.request_id, p.request.prompt_token_ids, p.request.sampling,
+                          {"token_ids": list(p.recorded.token_ids),
+                           "logprobs": p.recorded.logprobs,
+                           "logits_sha256": p.recorded.logits_sha256,
+                           "top_logprobs": p.recorded.top_logprobs})
+                   for p in ok if p.request is not None and p.recorded is not None]
+        results = []
+        if records:
+            digests = {p.model_sha256 for p in ok if p.model_sha256 is not None}
+            if len(digests) != 1:
+                raise ValueError("a matrix job samples one model")
+            engine = self.engine_for(next(iter(digests)))
+            if not hasattr(engine, "batcher"):
+                raise ValueError(f"the {self.engine_name} engine cannot vary the matrix axes "
+                                 "(the reference engine can)")
+            results = run_matrix(engine, records, cells)
+        rep = matrix_report(
+            results, runtime=self.runtime, records=[r.request_id for r in records],
+            source=f"replay job {job_id} ({params.get('requested_by', 'unknown')})",
+            unverified=unverified,
+            verification="trust policy" if self.trust is not None
+            else "INSECURE: keys from the database itself")
+        with session_scope(self.db) as session:
+            job = session.get(ReplayJob, uuid.UUID(job_id), with_for_update=True)
+            assert job is not None
+            if job.state != JobState.RUNNING or job.worker_id != self.worker_id:
+                return "skip"
+            store_matrix_run(session, run_id=run_id_for_job(job.id), report=rep,
+                             worker_id=self.worker_id, fingerprint_id=self.fingerprint_id,
+                             runtime=self.runtime, signer=self.signer, job_id=job.id)
+            job_service.finish(session, job, state=JobState.DONE, worker_id=self.worker_id)
+        return JobState.DONE
+
     def _replay(self, prepared: list[Prepared]) -> list[GenerationResult | None]:
         """Run every replayable item, one batch per model, in job order."""
         results: list[GenerationResult | None] = [None] * len(prepared)
@@ -497,6 +560,11 @@ class ReplayWorker:
                   duration_ms: float = 0.0, outcome_all: tuple[str, str] | None = None,
                   state: str = JobState.DONE) -> None:
         """Sign and store every verdict, finish the job: one transaction."""
+        if outcome_all is not None and job.kind == "matrix":
+            # a matrix job that cannot finish signs no verdicts on the records it sampled
+            job_service.finish(session, job, state=state, worker_id=self.worker_id,
+                               detail=outcome_all[1])
+            return
         if outcome_all is not None:
             items = list(session.scalars(select(ReplayJobItem).where(
                 ReplayJobItem.job_id == job.id).order_by(ReplayJobItem.position)))

@@ -156,11 +156,11 @@ def run_command(
 ) -> None:
     """Replay a sample of stored records under each cell and report reproducibility."""
     from ledger.artifacts import model_sha256 as hash_model
-    from ledger.replay.matrix import render_html, report, table_rows
+    from ledger.replay.matrix import DEFAULT_CELLS, parse_cell, render_html, report, table_rows
 
     try:
         from workers.engine import load_engine
-        from workers.engine.matrix import DEFAULT_CELLS, parse_cell, run_matrix
+        from workers.engine.matrix import run_matrix
         from workers.engine.reference import resolve_model_dir
     except ImportError as exc:
         raise fail(f"the matrix runs the reference engine, which needs torch: {exc}",

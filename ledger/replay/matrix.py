@@ -24,6 +24,36 @@ from typing import Any
 
 REPORT_TYPE = "https://inference-ledger.dev/matrix-report/v1"
 
+#: The cells ``ledger matrix run`` replays by default (``workers.engine.matrix`` says what
+#: each axis does).
+DEFAULT_CELLS = ("alone", "batch:8", "arrivals:2", "chunk:1", "chunk:16", "prefix:warm",
+                 "graphs:off", "kernels:default", "kernels:default+chunk:16")
+AXES = ("batch", "arrivals", "chunk", "prefix", "graphs", "kernels")
+_CHOICES = {"prefix": ("warm", "cold"), "graphs": ("on", "off"),
+            "kernels": ("default", "invariant")}
+
+
+def parse_cell(spec: str) -> dict[str, Any]:
+    """``batch:8+chunk:16`` -> {"batch": 8, "chunk": 16}; ``alone`` -> {}. Raises
+    ValueError naming the bad part (the API and the CLI check cells before any work)."""
+    axes: dict[str, Any] = {}
+    if spec == "alone":
+        return axes
+    for part in spec.split("+"):
+        name, sep, value = part.partition(":")
+        if not sep or name not in AXES or name in axes:
+            raise ValueError(f"cell {spec!r}: {part!r} is not axis:value with an axis in "
+                             f"{', '.join(AXES)} (each once), or the cell 'alone'")
+        if name in ("batch", "arrivals", "chunk"):
+            if not value.isdigit() or len(value) > 4 or (int(value) < 1 and name != "arrivals"):
+                raise ValueError(f"cell {spec!r}: {name} needs a positive integer below 10000")
+            axes[name] = int(value)
+        elif value in _CHOICES.get(name, ()):
+            axes[name] = value
+        else:
+            raise ValueError(f"cell {spec!r}: bad value {value!r} for {name}")
+    return axes
+
 
 @dataclass(frozen=True)
 class Replayed:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import select, text
+import orjson
+from sqlalchemy import func, select, text
 from sqlalchemy.orm import Session
 
 from ledger.core import dsse
@@ -32,13 +33,16 @@ from ledger.core.errors import KeyError_, LedgerError
 from ledger.core.logentry import dsse_digest, log_entry_bytes, verify_record_included
 from ledger.core.note import open_checkpoint
 from ledger.core.statements import matrix_report_bytes, matrix_run_statement
-from ledger.db.models import MatrixRun
+from ledger.db.models import Fingerprint, MatrixRun, ReplayJob, ReplayJobItem
 from ledger.db.session import raw_cursor
-from ledger.errors import Conflict, NotFound
+from ledger.errors import BadRequest, Conflict, NotFound
 from ledger.log import proofs
 from ledger.replay import views
+from ledger.replay.jobs import create_job, live_fingerprints
+from ledger.replay.matrix import DEFAULT_CELLS, parse_cell
 from ledger.replay.records import Signer, append_signed
 from ledger.replay.trusted import CheckedRecord, RecordChecker, Unverifiable
+from ledger.settings import Settings
 
 #: Generous limits for reading envelopes back: the ledger already enforced its own.
 READ_LIMITS = Limits(max_prompt_tokens=10**7, max_output_tokens=10**7, max_token_id=2**31,
@@ -185,3 +189,91 @@ def checked_report(session: Session, row: MatrixRun, checker: RecordChecker
         raise StoredReportMismatch(f"{where}: not verifiably in the log: {exc.message}") \
             from None
     return report, checked
+
+
+# --- requested through the API -------------------------------------------------------------
+
+MAX_SAMPLE = 256
+MAX_CELLS = 16
+
+
+@dataclass
+class Requested:
+    job: ReplayJob
+    created: bool
+
+
+def request_matrix_run(session: Session, settings: Settings, *, actor: str,
+                       model_sha256: str, fingerprint_id: str | None,
+                       records_fingerprint_id: str | None, sample: int, seed: int,
+                       cells: Sequence[str], idempotency_key: str | None = None) -> Requested:
+    """A matrix job: ``sample`` records of the model (recorded on
+    ``records_fingerprint_id``, or on any runtime) routed to the workers of
+    ``fingerprint_id`` (default: the runtime most of the sample was recorded on). A retry
+    with the same Idempotency-Key returns the first job. The caller commits, then
+    publishes the job."""
+    if idempotency_key:
+        existing = session.scalar(select(ReplayJob).where(
+            ReplayJob.kind == "matrix",
+            ReplayJob.params["idempotency_key"].astext == idempotency_key))
+        if existing is not None:
+            return Requested(existing, False)
+    for spec in cells:
+        try:
+            parse_cell(spec)
+        except ValueError as exc:
+            raise BadRequest(str(exc), code="bad_cell") from None
+    indices = sample_indices(session, model_sha256=model_sha256, sample=sample, seed=seed,
+                             fingerprint_id=records_fingerprint_id)
+    if not indices:
+        raise NotFound(f"no deterministic record of model {model_sha256}"
+                       + (f" on fingerprint {records_fingerprint_id}"
+                          if records_fingerprint_id else ""))
+    if fingerprint_id is None:
+        fingerprint_id = session.execute(text(
+            "SELECT fingerprint_id FROM envelopes WHERE log_index = ANY(:ix) "
+            "GROUP BY fingerprint_id ORDER BY count(*) DESC, fingerprint_id LIMIT 1"),
+            {"ix": [i for i, _ in indices]}).scalar_one()
+    elif session.get(Fingerprint, fingerprint_id) is None and fingerprint_id not in \
+            live_fingerprints(session, settings):
+        raise NotFound(f"no worker or record has fingerprint {fingerprint_id}")
+    params = {"cells": list(cells) or list(DEFAULT_CELLS), "sample": sample, "seed": seed,
+              "model_sha256": model_sha256, "records_fingerprint_id": records_fingerprint_id,
+              "requested_by": actor, "idempotency_key": idempotency_key}
+    job = create_job(session, fingerprint_id=fingerprint_id, kind="matrix",
+                     items=[(i, rid, None) for i, rid in indices], settings=settings,
+                     params=params)
+    return Requested(job, True)
+
+
+def matrix_run_state(session: Session, job_id: uuid.UUID, checker: RecordChecker
+                     ) -> dict[str, Any]:
+    """A matrix job's state and, once its worker has signed it, the report (checked
+    against its leaf first: :func:`checked_report`)."""
+    job = session.get(ReplayJob, job_id)
+    if job is None or job.kind != "matrix":
+        raise NotFound(f"no matrix run {job_id}")
+    out: dict[str, Any] = {
+        "id": str(job.id), "state": job.state, "state_reason": job.state_reason,
+        "fingerprint_id": job.fingerprint_id, "params": dict(job.params or {}),
+        "records": session.scalar(select(func.count()).select_from(ReplayJobItem).where(
+            ReplayJobItem.job_id == job.id)),
+        "created_at": job.created_at, "finished_at": job.finished_at,
+        "report": None, "signed": None}
+    out["params"].pop("idempotency_key", None)
+    row = session.scalar(select(MatrixRun).where(MatrixRun.job_id == job.id))
+    if row is not None:
+        report, checked = checked_report(session, row, checker)
+        out["report"] = orjson.loads(report)
+        out["signed"] = {**checked, "run_id": row.run_id, "worker_id": row.worker_id}
+    return out
+
+
+def checker_for(settings: Settings) -> RecordChecker:
+    """What the API believes when it checks a report: the trust policy
+    (``LEDGER_TRUST_POLICY_FILE``) where there is one, else the database's keys."""
+    from ledger.core.trust import load_trust_policy
+
+    trust = (load_trust_policy(settings.trust_policy_file)
+             if settings.trust_policy_file is not None else None)
+    return RecordChecker(settings.log_name, trust, wait_s=0)
