@@ -42,30 +42,26 @@ from ledger.artifacts import model_sha256
 from ledger.core import dsse
 from ledger.core.compare import Side, compare
 from ledger.core.envelope import EnvelopeStatement, Limits, index_fields, parse_statement
-from ledger.core.errors import KeyError_, LedgerError
+from ledger.core.errors import LedgerError
 from ledger.core.fingerprint import fingerprint_id as compute_fingerprint_id
-from ledger.core.logentry import verify_record_included
-from ledger.core.note import NoteVerifier, open_checkpoint
+from ledger.core.note import NoteVerifier
 from ledger.core.registry import RegisteredKey
 from ledger.core.sealing import KeyEncryptionKey
 from ledger.core.states import DISPUTE_DECIDED, DisputeState, JobState
 from ledger.core.trust import TrustPolicy, load_trust_policy
 from ledger.db.models import (
-    Envelope,
     JobAttempt,
     ReplayJob,
     ReplayJobItem,
     SigningKey,
     Worker,
 )
-from ledger.db.session import raw_cursor, session_scope
-from ledger.log import proofs
-from ledger.log.registry import registry_from_leaves
-from ledger.log.signer import log_verifiers, trusted_log_verifiers
-from ledger.privacy.keys import ErasedContent, Opener, kek_from_settings
+from ledger.db.session import session_scope
+from ledger.privacy.keys import kek_from_settings
 from ledger.replay import disputes
 from ledger.replay import jobs as job_service
 from ledger.replay.records import Signer
+from ledger.replay.trusted import RecordChecker, Unverifiable
 from ledger.replay.verdicts import store_verdict
 from ledger.settings import Settings
 from workers.engine.api import GenerationRequest, GenerationResult, SamplingParams
@@ -76,11 +72,6 @@ log = logging.getLogger("ledger.worker")
 #: Generous limits for reading envelopes back: the ledger already enforced its own.
 READ_LIMITS = Limits(max_prompt_tokens=10**7, max_output_tokens=10**7, max_token_id=2**31,
                      max_top_logprobs=10**4)
-
-
-class Unverifiable(Exception):
-    """An item fails a check before replay: it gets an ``unverifiable`` verdict, with this
-    reason, and is not replayed."""
 
 
 class NoTrustPolicy(RuntimeError):
@@ -306,6 +297,8 @@ class ReplayWorker:
         started = time.perf_counter()
         try:
             prepared = self._prepare(job_id)
+            if self._kind(job_id) == "matrix":
+                return self._run_matrix(job_id, prepared)
             results = self._replay(prepared)
         except Exception as exc:
             log.exception("job %s failed", job_id)
@@ -363,27 +356,21 @@ class ReplayWorker:
             producers = self._producer_keys(session)
         # A gate job replays envelopes of an *earlier* fingerprint on this new runtime on
         # purpose; every other job must match this worker's fingerprint exactly.
-        return [self._check_item(item, producers, foreign_ok=kind == "gate")
+        # A matrix job replays a sample on whatever runtime it was routed to: its report
+        # states that runtime (the fingerprint axis is a run per worker fingerprint).
+        return [self._check_item(item, producers, foreign_ok=kind in ("gate", "matrix"))
                 for item in items]
 
+    def _checker(self) -> RecordChecker:
+        return RecordChecker(self.settings.log_name, self.trust,
+                             kek=kek_from_settings(self.settings))
+
     def _producer_keys(self, session: Any) -> dict[str, RegisteredKey]:
-        """Producer keys this worker believes: vouched for by registry leaves signed by a
-        policy service key (or, insecure, every producer row of the database)."""
-        if self.trust is not None:
-            # the leaves alone (not the key tables: a worker has no business reading
-            # api_keys); a leaf that does not verify vouches for nothing
-            registry, _ = registry_from_leaves(session, self.trust)
-            return {kid: k for kid, k in registry.keys.items() if k.purpose == "producer"}
-        return {k.keyid: RegisteredKey(bytes(k.public_key), k.purpose, k.name, k.not_before,
-                                       k.not_after, k.revoked_at, k.keyid,
-                                       vouched_by="database")
-                for k in session.scalars(select(SigningKey).where(
-                    SigningKey.purpose == "producer"))}
+        """Producer keys this worker believes (:meth:`RecordChecker.producer_keys`)."""
+        return self._checker().producer_keys(session)
 
     def _log_verifiers(self, session: Any) -> list[NoteVerifier]:
-        if self.trust is not None:
-            return trusted_log_verifiers(self.trust, self.settings.log_name)
-        return log_verifiers(session, self.settings.log_name)
+        return self._checker().log_verifiers(session)
 
     def _check_item(self, item: ReplayJobItem, producers: dict[str, RegisteredKey], *,
                     foreign_ok: bool = False) -> Prepared:
@@ -412,66 +399,16 @@ class ReplayWorker:
     def _signed_envelope(session: Any, item: ReplayJobItem,
                          producers: dict[str, RegisteredKey],
                          kek: KeyEncryptionKey | None = None) -> dsse.Envelope:
-        """The stored envelope (opened with the KEK where it is encrypted at rest), its
-        signature checked against a producer key this worker believes (valid at the
-        envelope's log index). An erased envelope ends ``unverifiable: erased``."""
-        env = session.get(Envelope, item.envelope_index)
-        if env is None:
-            raise Unverifiable("the envelope record is missing")
-        try:
-            with raw_cursor(session) as cur:
-                dsse_bytes = Opener(cur, kek).open(bytes(env.dsse), bytes(env.dsse_sha256),
-                                                   item.envelope_index)
-        except ErasedContent as erased:
-            raise Unverifiable(erased.reason) from None
-        except LedgerError as exc:
-            raise Unverifiable(f"encrypted at rest: {exc.message}") from exc
-
-        def producer_key(kid: str) -> bytes:
-            key = producers.get(kid)
-            if key is None:
-                raise KeyError_(f"producer key {kid} is not vouched for by a registry "
-                                "leaf signed by a trusted service key")
-            why = key.valid_at_index(item.envelope_index)
-            if why is not None:
-                raise KeyError_(why)
-            return key.public_key
-
-        try:
-            envelope = dsse.envelope_from_json(dsse_bytes)
-            dsse.verify_envelope(envelope, producer_key)
-        except LedgerError as exc:
-            raise Unverifiable(f"bad signature: {exc.message}") from exc
-        return envelope
-
-    @staticmethod
-    def _receipt(session: Any, index: int, wait_s: float = 30) -> proofs.InclusionReceipt:
-        """The entry's inclusion proof, waiting up to ``wait_s`` for a checkpoint to
-        cover it."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                return proofs.inclusion(session, index)
-            except proofs.NotYetIntegrated:
-                session.rollback()
-                if time.monotonic() > deadline:
-                    raise Unverifiable("the envelope is not in a signed checkpoint yet") from None
-                time.sleep(0.2)
+        """The stored envelope, its signature checked against a producer key this worker
+        believes (:meth:`RecordChecker.signed_envelope`)."""
+        return RecordChecker.signed_envelope(session, item.envelope_index, producers, kek)
 
     def _check_in_log(self, session: Any, item: ReplayJobItem,
                       envelope: dsse.Envelope) -> dict[str, Any]:
-        """Check the envelope is in a checkpoint signed by a log key this worker trusts;
-        the checkpoint's size and root (hex)."""
-        receipt = self._receipt(session, item.envelope_index)
-        try:
-            checkpoint = open_checkpoint(receipt.checkpoint.note, self._log_verifiers(session),
-                                         origin=self.settings.log_name)
-            verify_record_included("envelope", item.request_id, envelope.canonical_bytes(),
-                                   item.envelope_index, checkpoint.size, checkpoint.root_hash,
-                                   receipt.proof, served_entry=receipt.entry)
-        except LedgerError as exc:
-            raise Unverifiable(f"not verifiably in the log: {exc.message}") from exc
-        return {"tree_size": checkpoint.size, "root_hash": checkpoint.root_hash.hex()}
+        """The envelope is in a checkpoint signed by a log key this worker trusts
+        (:meth:`RecordChecker.check_in_log`)."""
+        return self._checker().check_in_log(session, item.envelope_index, item.request_id,
+                                            envelope)
 
     def _read_request(self, prep: Prepared, envelope: dsse.Envelope, *,
                       foreign_ok: bool) -> None:
@@ -510,6 +447,65 @@ class ReplayWorker:
             logits_sha256=out.logits_sha256)
         prep.tier = p.tier
         prep.tolerance = p.tolerance.max_abs_logprob_diff if p.tolerance else None
+
+    def _kind(self, job_id: str) -> str | None:
+        with self.db.connect() as conn:
+            kind = conn.execute(select(ReplayJob.kind).where(
+                ReplayJob.id == uuid.UUID(job_id))).scalar()
+            conn.rollback()
+        return kind
+
+    def _run_matrix(self, job_id: str, prepared: list[Prepared]) -> str:
+        """A matrix job: replay its checked records under each of its cells
+        (``workers.engine.matrix``), sign the report with this worker's key and append it
+        (``matrix_run`` leaf and row) as the job finishes. Items that failed a check are
+        listed in the report, not replayed."""
+        from ledger.replay.matrix import DEFAULT_CELLS
+        from ledger.replay.matrix import report as matrix_report
+        from ledger.replay.matrix_runs import run_id_for_job, store_matrix_run
+        from workers.engine.matrix import Record, run_matrix
+
+        with session_scope(self.db) as session:
+            job = session.get(ReplayJob, uuid.UUID(job_id))
+            assert job is not None
+            params = dict(job.params or {})
+        cells = list(params.get("cells") or DEFAULT_CELLS)
+        unverified = [{"request_id": p.item.request_id, "log_index": p.item.envelope_index,
+                       "reason": p.problem} for p in prepared if p.problem is not None]
+        ok = [p for p in prepared if p.problem is None and p.request is not None
+              and p.recorded is not None]
+        records = [Record(p.item.request_id, p.request.prompt_token_ids, p.request.sampling,
+                          {"token_ids": list(p.recorded.token_ids),
+                           "logprobs": p.recorded.logprobs,
+                           "logits_sha256": p.recorded.logits_sha256,
+                           "top_logprobs": p.recorded.top_logprobs})
+                   for p in ok if p.request is not None and p.recorded is not None]
+        results = []
+        if records:
+            digests = {p.model_sha256 for p in ok if p.model_sha256 is not None}
+            if len(digests) != 1:
+                raise ValueError("a matrix job samples one model")
+            engine = self.engine_for(next(iter(digests)))
+            if not hasattr(engine, "batcher"):
+                raise ValueError(f"the {self.engine_name} engine cannot vary the matrix axes "
+                                 "(the reference engine can)")
+            results = run_matrix(engine, records, cells)
+        rep = matrix_report(
+            results, runtime=self.runtime, records=[r.request_id for r in records],
+            source=f"replay job {job_id} ({params.get('requested_by', 'unknown')})",
+            unverified=unverified,
+            verification="trust policy" if self.trust is not None
+            else "INSECURE: keys from the database itself")
+        with session_scope(self.db) as session:
+            job = session.get(ReplayJob, uuid.UUID(job_id), with_for_update=True)
+            assert job is not None
+            if job.state != JobState.RUNNING or job.worker_id != self.worker_id:
+                return "skip"
+            store_matrix_run(session, run_id=run_id_for_job(job.id), report=rep,
+                             worker_id=self.worker_id, fingerprint_id=self.fingerprint_id,
+                             runtime=self.runtime, signer=self.signer, job_id=job.id)
+            job_service.finish(session, job, state=JobState.DONE, worker_id=self.worker_id)
+        return JobState.DONE
 
     def _replay(self, prepared: list[Prepared]) -> list[GenerationResult | None]:
         """Run every replayable item, one batch per model, in job order."""
@@ -564,6 +560,11 @@ class ReplayWorker:
                   duration_ms: float = 0.0, outcome_all: tuple[str, str] | None = None,
                   state: str = JobState.DONE) -> None:
         """Sign and store every verdict, finish the job: one transaction."""
+        if outcome_all is not None and job.kind == "matrix":
+            # a matrix job that cannot finish signs no verdicts on the records it sampled
+            job_service.finish(session, job, state=state, worker_id=self.worker_id,
+                               detail=outcome_all[1])
+            return
         if outcome_all is not None:
             items = list(session.scalars(select(ReplayJobItem).where(
                 ReplayJobItem.job_id == job.id).order_by(ReplayJobItem.position)))

@@ -56,8 +56,9 @@ from ledger.core.vendor import (
 from ledger.db.models import DisputeEvent, ReplayJob, ReplayJobItem, SigningKey
 from ledger.db.session import session_scope
 from ledger.replay.records import Signer
+from ledger.replay.trusted import Unverifiable
 from ledger.settings import Settings
-from workers.replay import READ_LIMITS, Prepared, ReplayWorker, Unverifiable, worker_trust
+from workers.replay import READ_LIMITS, Prepared, ReplayWorker, worker_trust
 
 log = logging.getLogger("ledger.worker")
 

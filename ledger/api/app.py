@@ -35,6 +35,7 @@ from ledger.api.deps import UnknownQueryParameters, reject_unknown_query
 from ledger.api.links import add_links
 from ledger.api.routes import envelopes, health, keys, privacy
 from ledger.api.routes import log as log_routes
+from ledger.api.routes import matrix as matrix_routes
 from ledger.api.routes import replay as replay_routes
 from ledger.api.schemas import Problem
 from ledger.core.errors import LedgerError
@@ -53,7 +54,7 @@ log = logging.getLogger("ledger.api")
 
 #: Every router of the API, in inclusion order (the role-matrix test walks these).
 ROUTERS = [envelopes.router, log_routes.router, replay_routes.router, keys.router,
-           privacy.router, health.router]
+           privacy.router, health.router, matrix_routes.router]
 
 
 def _problem_response(body: dict[str, Any], headers: dict[str, str] | None = None) -> Response:

@@ -36,6 +36,8 @@ PERMISSIONS: dict[str, frozenset[str]] = {
     "export": frozenset({"auditor", "admin"}),
     "disputes:read": frozenset({"reviewer", "auditor", "admin"}),
     "disputes:write": frozenset({"reviewer", "admin"}),
+    "matrix:read": frozenset({"reviewer", "auditor", "admin"}),
+    "matrix:write": frozenset({"reviewer", "admin"}),
     "policies:read": frozenset({"reviewer", "auditor", "admin"}),
     "policies:write": frozenset({"admin"}),
     "workers:read": frozenset({"reviewer", "auditor", "worker", "admin"}),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import MISSING
 from dataclasses import fields as dataclass_fields
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, Generic, Literal, TypeVar, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
@@ -417,3 +417,41 @@ class SemanticPassRatesOut(BaseModel):
     """Pass rates of semantic verdicts per (vendor fingerprint, model alias, time bucket)."""
 
     items: list[dict[str, Any]]
+
+
+class MatrixRunIn(BaseModel):
+    """A replay matrix run: a sample of one model's records replayed by a worker under
+    each cell (``axis:value+...``: batch, arrivals, chunk, prefix, graphs, kernels)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model_sha256: str = Field(pattern=SHA256_HEX_PATTERN)
+    fingerprint_id: str | None = Field(
+        None, pattern=FINGERPRINT_PATTERN,
+        description="The runtime to run on (its workers' queue); default: the runtime most "
+                    "of the sample was recorded on")
+    records_fingerprint_id: str | None = Field(
+        None, pattern=FINGERPRINT_PATTERN,
+        description="Sample only records recorded on this runtime")
+    sample: int = Field(16, ge=1, le=256)
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    cells: list[Annotated[str, Field(min_length=1, max_length=100,
+                                     pattern=r"^[a-z0-9:+]+$")]] = Field(
+        default_factory=list, max_length=16,
+        description="Cells to run (default: every axis)")
+
+
+class MatrixRunOut(BaseModel):
+    """A matrix run's state; ``report`` once its worker signed it (checked against the
+    signed leaf before it is served: ``signed`` says what was checked)."""
+
+    id: str
+    state: str
+    state_reason: str | None
+    fingerprint_id: str
+    params: dict[str, Any]
+    records: int
+    created_at: datetime
+    finished_at: datetime | None
+    report: dict[str, Any] | None
+    signed: dict[str, Any] | None
+    links: dict[str, str] = Field(default_factory=dict)

@@ -93,3 +93,37 @@ def drift_over_time(points: list[tuple[datetime, float]], *, width: int = 640,
     chart.axis += [(left, height - 4, points[0][0].strftime("%m-%d %H:%M")),
                    (width - 90, height - 4, points[-1][0].strftime("%m-%d %H:%M"))]
     return chart
+
+
+def share_bars(cells: list[dict[str, object]], *, width: int = 640, row: int = 20) -> Chart:
+    """A matrix report's token-identical share per cell (horizontal bars, 0..100%)."""
+    chart = Chart(width, max(1, len(cells)) * row + 4,
+                  title="token-identical share per cell")
+    label_w = 190
+    for i, c in enumerate(cells):
+        share = c.get("token_identical_share")
+        value = float(share) if isinstance(share, (int, float)) else 0.0
+        chart.bars.append(Bar(label_w, 2 + i * row, max(1.0, (width - label_w - 90) * value),
+                              row - 4, str(c.get("cell")),
+                              f"{c.get('token_identical')}/{c.get('records')} "
+                              f"({value:.0%})", "" if value == 1 else "k"))
+    return chart
+
+
+def divergence_histogram(histogram: dict[str, int], *, what: str = "", width: int = 640,
+                         height: int = 140) -> Chart:
+    """A bar per output position: how many records first diverged there."""
+    positions = {int(k): int(v) for k, v in histogram.items()}
+    n = max(positions, default=0) + 1
+    chart = Chart(width, height, title=f"first-divergence positions{what}"
+                  + ("" if positions else ": none"))
+    top = max(positions.values(), default=1)
+    left, bottom, plot_h = 50, height - 20, height - 34
+    step_w = (width - left - 10) / n
+    for k, count in sorted(positions.items()):
+        h = plot_h * count / top
+        chart.bars.append(Bar(left + k * step_w, bottom - h, max(1.0, step_w * 0.8), h,
+                              f"position {k}", str(count), "k"))
+    chart.axis = [(4, bottom - plot_h + 4, str(top)), (4, bottom, "0"),
+                  (left, height - 4, "pos 0"), (width - 60, height - 4, f"pos {n - 1}")]
+    return chart

@@ -8,6 +8,7 @@ the API would give (401 sends the browser to the sign-in form).
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Callable, Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
@@ -418,6 +419,31 @@ def runs_page(request: Request, kind: Literal["", "policy", "gate"] = "",
               if r["drift_rate"] is not None and not math.isnan(r["drift_rate"])]
     return page(request, "runs.html", user, runs=runs, kind=kind,
                 chart=charts.drift_over_time(points))
+
+
+# --- replay matrix -----------------------------------------------------------------------------
+
+@router.get("/matrix-runs/{run_id}")
+def matrix_page(request: Request, run_id: UuidPath,
+                user: sessions.ConsoleUser = Depends(signed_in("matrix:read")),
+                session: Session = Depends(get_session),
+                settings: Settings = Depends(get_settings_dep)) -> Response:
+    """A matrix run and its report, checked against its signed leaf before it is shown."""
+    from ledger.replay import matrix_runs
+    from ledger.replay.matrix import table_rows
+
+    try:
+        job_id = uuid.UUID(run_id)
+    except ValueError:
+        raise NotFound(f"no matrix run {run_id}") from None
+    run = matrix_runs.matrix_run_state(session, job_id, matrix_runs.checker_for(settings))
+    rep = run["report"]
+    cells = rep["cells"] if rep else []
+    histograms = [(c["cell"], charts.divergence_histogram(
+        c["first_divergence_histogram"], what=f" ({c['cell']})")) for c in cells
+        if c["first_divergence_histogram"]]
+    return page(request, "matrix.html", user, run=run, share=charts.share_bars(cells),
+                rows=table_rows(rep) if rep else [[]], histograms=histograms)
 
 
 # --- export ------------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from ledger.core.logentry import dsse_digest, log_entry_bytes
 from ledger.core.merkle import HASH_SIZE, NODE_PREFIX, leaf_hash, verify_inclusion
 from ledger.core.note import Checkpoint, NoteVerifier, open_checkpoint, parse_verifier_key
 from ledger.core.registry import RegisteredKey, Registry, RegistryError, open_admin_event
-from ledger.core.statements import BUNDLE_PREDICATE_TYPE
+from ledger.core.statements import BUNDLE_PREDICATE_TYPE, matrix_run_digest
 from ledger.core.trust import TrustPolicy
 
 _sha256 = hashlib.sha256
@@ -64,7 +64,7 @@ FORMAT = "inference-ledger-bundle/v2"
 #: Admin events are checked against the service keys (the policy's, or the manifest's).
 PURPOSES_BY_KIND = {"envelope": {"producer"}, "verdict": {"worker"},
                     "dispute_event": {"ledger", "worker"}, "admin_event": {"ledger"},
-                    "erasure": {"ledger"}}
+                    "erasure": {"ledger"}, "matrix_run": {"worker"}}
 #: Kinds verified in order before every other record, in this process: the key registry
 #: (admin events) and the erasure leaves, whose tombstones the erased envelopes need.
 FIRST_KINDS = frozenset({"admin_event", "erasure"})
@@ -335,6 +335,8 @@ def _verify(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str, 
             return index, kind, event.predicate
         if kind == "erasure":
             return index, kind, erasure_record(erasure_predicate(env.payload), (), index)
+        if kind == "matrix_run":
+            matrix_run_digest(payload)   # the report hashes to the digest it signs
     except BundleError as exc:
         raise BundleError(f"{where}: {exc.message}") from exc
     except (LedgerError, ValueError, TypeError, KeyError, orjson.JSONDecodeError) as exc:
@@ -416,7 +418,7 @@ def _payload_ref(kind: str, payload: Any) -> str | None:
     if not isinstance(pred, dict):
         return None
     key = {"envelope": "request_id", "verdict": "verdict_id", "dispute_event": "event_id",
-           "admin_event": "event_id", "erasure": "erasure_id"}[kind]
+           "admin_event": "event_id", "erasure": "erasure_id", "matrix_run": "run_id"}[kind]
     value = pred.get(key)
     return value if isinstance(value, str) else None
 

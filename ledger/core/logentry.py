@@ -7,8 +7,9 @@ prompts, and every entry fits the 65,535-byte limit of a tlog-tiles entry bundle
     {"dsse_sha256":"<hex>","kind":"envelope","ref":"<request_id>"}
 
 ``kind`` is ``envelope``, ``verdict``, ``dispute_event``, ``admin_event`` (a key or
-API-key change) or ``erasure`` (data keys destroyed); ``ref`` names the record (a request
-ID, a verdict ID, a dispute event ID, an admin event ID, an erasure ID). The leaf hash is
+API-key change), ``erasure`` (data keys destroyed) or ``matrix_run`` (a replay matrix
+report); ``ref`` names the record (a request ID, a verdict ID, a dispute event ID, an
+admin event ID, an erasure ID, a matrix run ID). The leaf hash is
 ``SHA-256(0x00 || entry)`` (RFC 9162).
 """
 
@@ -24,9 +25,10 @@ from ledger.core.canonical import canonical_json
 from ledger.core.errors import FormatError, InclusionProofError
 from ledger.core.merkle import leaf_hash, verify_inclusion
 
-EntryKind = Literal["envelope", "verdict", "dispute_event", "admin_event", "erasure"]
+EntryKind = Literal["envelope", "verdict", "dispute_event", "admin_event", "erasure",
+                    "matrix_run"]
 KINDS: frozenset[str] = frozenset({"envelope", "verdict", "dispute_event", "admin_event",
-                                   "erasure"})
+                                   "erasure", "matrix_run"})
 
 
 _SAFE_REF = re.compile(r"^[A-Za-z0-9._:@+=-]{1,200}$")

@@ -17,6 +17,11 @@ transparency log, so a review trail is as tamper-evident as the records it revie
   stated policy) and each window the beat claims for it (``reverification_run:<id>``)
   are admin events too, and so is each fingerprint gate it claims (``gate.claimed``), so
   scheduled re-verification and gates cannot be silenced in the database.
+- ``urn:inference-ledger:matrix-run:v1``, signed by the replay worker that ran it (purpose
+  ``worker``, like a verdict: it states what that worker measured on its runtime): a
+  replay matrix report (``ledger.replay.matrix``); subject: ``matrix_run:<run_id>`` with
+  the SHA-256 of the report's canonical bytes (:func:`matrix_report_bytes`, which the
+  ``matrix_runs`` row stores); ``ref`` is ``predicate.run_id``.
 - ``urn:inference-ledger:bundle:v1``, signed by the ledger's service key: the manifest of
   an export bundle (origin, checkpoint, selection, creation time, record count); subject:
   the SHA-256 of every record line after the header.
@@ -31,13 +36,14 @@ from typing import Any
 
 from ledger.core.canonical import canonical_json, sha256_hex
 from ledger.core.envelope import STATEMENT_TYPE
-from ledger.core.errors import LedgerError
+from ledger.core.errors import FormatError, LedgerError
 from ledger.core.states import VerdictOutcome
 
 VERDICT_PREDICATE_TYPE = "urn:inference-ledger:verdict:v1"
 EVENT_PREDICATE_TYPE = "urn:inference-ledger:dispute-event:v1"
 ADMIN_EVENT_PREDICATE_TYPE = "urn:inference-ledger:admin-event:v1"
 BUNDLE_PREDICATE_TYPE = "urn:inference-ledger:bundle:v1"
+MATRIX_RUN_PREDICATE_TYPE = "urn:inference-ledger:matrix-run:v1"
 OUTCOMES = tuple(VerdictOutcome)
 POLICY_EVENT_KINDS = ("policy.created", "policy.paused", "policy.resumed", "policy.deleted")
 RUN_EVENT_KIND = "policy.window_claimed"
@@ -230,3 +236,41 @@ def bundle_statement(*, records_sha256: str, predicate: Mapping[str, Any]) -> di
         "predicateType": BUNDLE_PREDICATE_TYPE,
         "predicate": dict(predicate),
     }
+
+
+def matrix_report_bytes(report: Mapping[str, Any]) -> bytes:
+    """The one rendering of a matrix report that is stored, hashed and served (RFC 8785):
+    the signed statement carries the report and the SHA-256 of these bytes."""
+    return canonical_json(dict(report))
+
+
+def matrix_run_statement(*, run_id: str, report: Mapping[str, Any], job_id: str | None,
+                         worker: Mapping[str, Any], at: datetime) -> dict[str, Any]:
+    """A replay matrix report as the worker that ran it signs it."""
+    digest = sha256_hex(matrix_report_bytes(report))
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": [{"name": f"matrix_run:{run_id}", "digest": {"sha256": digest}}],
+        "predicateType": MATRIX_RUN_PREDICATE_TYPE,
+        "predicate": {"run_id": run_id, "job_id": job_id, "at": timestamp(at),
+                      "worker": dict(worker), "report_sha256": digest,
+                      "report": dict(report)},
+    }
+
+
+def matrix_run_digest(statement: Mapping[str, Any]) -> str:
+    """The report digest a signed matrix-run statement states, after checking that its
+    report hashes to it and that its subject names it; raises :class:`FormatError`."""
+    try:
+        p = statement["predicate"]
+        digest = sha256_hex(matrix_report_bytes(p["report"]))
+        subject = statement["subject"][0]
+        named = (subject["name"], subject["digest"]["sha256"])
+    except (KeyError, TypeError, IndexError, ValueError) as exc:
+        raise FormatError(f"the signed matrix run lacks {exc}") from None
+    if statement.get("predicateType") != MATRIX_RUN_PREDICATE_TYPE:
+        raise FormatError("the signed statement is not a matrix run")
+    if p.get("report_sha256") != digest or named != (f"matrix_run:{p.get('run_id')}", digest):
+        raise FormatError("the signed matrix report does not hash to the digest its "
+                          "statement names")
+    return digest

@@ -55,7 +55,8 @@ OPTIONAL_TABLES = frozenset({"admin_events", "checkpoint_cosignatures", "witness
                              "tokenizers", "console_sessions",  # 0011: the console
                              "tile_nodes",  # 0014: stored subtree hashes of full tiles
                              "data_keys", "erasures", "erased_keys",  # 0015: erasure
-                             "retention_policies"})
+                             "retention_policies",
+                             "matrix_runs"})  # 0016: replay matrix reports
 
 _SEQUENCER = ("SELECT", "UPDATE (size)")                # log_state: lock and advance
 _INTEGRATOR = {
@@ -110,6 +111,7 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         # take; a trigger refuses every UPDATE of a data key
         "data_keys": ("SELECT", "INSERT", "UPDATE (kek_id)", "DELETE"),
         "retention_policies": ("SELECT", "INSERT", "UPDATE (enabled)", "DELETE"),
+        "matrix_runs": ("SELECT",),   # 0016: served after checking against its leaf
     },
     BEAT: {
         "alembic_version": ("SELECT",),
@@ -132,6 +134,7 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         **_SEALING,
         "data_keys": ("SELECT", "UPDATE (kek_id)", "DELETE"),  # row locks, as for the API
         "retention_policies": ("SELECT",),
+        "matrix_runs": ("SELECT",),
     },
     WORKER: {
         "alembic_version": ("SELECT",),
@@ -156,6 +159,8 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "data_keys": ("SELECT",),
         "erasures": ("SELECT",),
         "erased_keys": ("SELECT",),
+        # 0016: a worker appends the signed report of a matrix job it ran
+        "matrix_runs": ("SELECT", "INSERT"),
     },
     AUDITOR: {t: ("SELECT",) for t in (
         "alembic_version", "log_state", "log_entries", "envelopes", "fingerprints",
@@ -164,7 +169,8 @@ GRANTS: dict[str, dict[str, tuple[str, ...]]] = {
         "replay_jobs", "replay_job_items", "job_attempts", "disputes", "dispute_events",
         "verdicts",
         "reverification_policies", "reverification_runs", "alerts", "tokenizers",
-        "console_sessions", "data_keys", "erasures", "erased_keys", "retention_policies")},
+        "console_sessions", "data_keys", "erasures", "erased_keys", "retention_policies",
+        "matrix_runs")},
 }
 
 def grant_statements(grants: Mapping[str, Mapping[str, tuple[str, ...]]] = GRANTS,

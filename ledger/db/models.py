@@ -270,8 +270,10 @@ class ReplayJob(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     worker_id: Mapped[str | None] = mapped_column(Text)
     last_error: Mapped[str | None] = mapped_column(Text)
+    params: Mapped[dict[str, Any] | None] = mapped_column(JSONB)   # a matrix job's cells
     __table_args__ = (
-        CheckConstraint("kind IN ('dispute', 'reverification', 'gate')", name="kind"),
+        CheckConstraint("kind IN ('dispute', 'reverification', 'gate', 'matrix')",
+                        name="kind"),
         CheckConstraint(check_in("state", JobState), name="state"),
         Index("ix_replay_jobs_state_fingerprint_id", "state", "fingerprint_id"),
     )
@@ -398,6 +400,22 @@ class Verdict(Base):
         UniqueConstraint("job_id", "envelope_index"),
         CheckConstraint(check_in("outcome", VerdictOutcome), name="outcome"),
     )
+
+
+class MatrixRun(Base):
+    """A signed replay matrix report (a leaf of the log), by the worker that ran it."""
+
+    __tablename__ = "matrix_runs"
+    log_index: Mapped[int] = mapped_column(BigInteger, ForeignKey("log_entries.idx"),
+                                           primary_key=True, autoincrement=False)
+    run_id: Mapped[str] = mapped_column(Text, nullable=False, unique=True)
+    job_id: Mapped[uuid.UUID | None] = mapped_column(
+        UUID(as_uuid=True), ForeignKey("replay_jobs.id"), unique=True)
+    worker_id: Mapped[str] = mapped_column(Text, nullable=False)
+    fingerprint_id: Mapped[str] = mapped_column(Text, nullable=False)
+    report: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    dsse: Mapped[bytes] = mapped_column(LargeBinary, nullable=False)
+    created_at: Mapped[datetime] = _now()
 
 
 class ReverificationPolicy(Base):

@@ -230,6 +230,12 @@ LEAF_KINDS: tuple[LeafKind, ...] = (
     LeafKind("erasure", "erasures", "erasure_id", _erasure_view,
              ("erasure_id", "kind", "actor", "data_subject_sha256", "policy", "body", "at"),
              lambda v: ("ledger",)),
+    # Replay matrix reports (migration 0016): the stored report bytes must hash to the
+    # digest the worker signed.
+    LeafKind("matrix_run", "matrix_runs", "run_id", views.matrix_run_view,
+             views.MATRIX_RUN_FIELDS, lambda v: ("worker",),
+             casts=(("job_id", "job_id::text"),
+                    ("report_sha256", "encode(sha256(report), 'hex')"))),
 )
 """Every leaf kind of the log. One more kind is one more entry."""
 

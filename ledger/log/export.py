@@ -122,6 +122,9 @@ def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = N
                               f"JOIN disputes d ON d.id = e.dispute_id "
                               f"JOIN ({sel}) s ON s.log_index = d.envelope_index "
                               f"WHERE e.log_index < %s"),
+            # replay matrix reports (0016) travel with every bundle, as admin events do
+            ("matrix_run", "SELECT m.log_index, m.run_id, m.dsse FROM matrix_runs m "
+                           "WHERE m.log_index < %s"),
         ]
         if len(where) == 1 and not limit:
             # The whole log: the same records, each table read in index order (a join of
@@ -148,7 +151,8 @@ def bundle_lines(engine: Engine, selection: Selection, signer: Signer | None = N
             opener = Opener(conn.cursor(), kek)
             for n, (kind, query) in enumerate(parts):
                 args = {"admin_event": [cp.tree_size], "erasure": [cp.tree_size],
-                        "envelope": params}.get(kind, [*params, cp.tree_size])
+                        "matrix_run": [cp.tree_size], "envelope": params}.get(
+                            kind, [*params, cp.tree_size])
                 with conn.cursor(name=f"export_{n}", binary=True) as rows:
                     rows.itersize = 2000
                     rows.execute(f"{query} ORDER BY 1", args)

@@ -91,15 +91,17 @@ def _reason(session: Session, fingerprint_id: str) -> str:
 def create_job(session: Session, *, fingerprint_id: str, kind: str,
                items: Sequence[tuple[int, str, uuid.UUID | None]], settings: Settings,
                priority: int = 1, tolerance: float | None = None,
-               run_id: uuid.UUID | None = None) -> ReplayJob:
-    """A job over ``items`` (envelope log index, request_id, dispute id), routed now."""
+               run_id: uuid.UUID | None = None,
+               params: dict[str, Any] | None = None) -> ReplayJob:
+    """A job over ``items`` (envelope log index, request_id, dispute id), routed now;
+    ``params``: what a matrix job runs."""
     live = live_fingerprints(session, settings)
     state = JobState.QUEUED if fingerprint_id in live else JobState.AWAITING_WORKER
     job = ReplayJob(id=uuid.uuid4(), fingerprint_id=fingerprint_id, kind=kind, state=state,
                     state_reason=None if state == JobState.QUEUED
                     else _reason(session, fingerprint_id),
                     priority=priority, max_attempts=settings.replay_max_attempts,
-                    tolerance=tolerance, run_id=run_id)
+                    tolerance=tolerance, run_id=run_id, params=params)
     session.add(job)
     session.flush()
     session.add_all(ReplayJobItem(job_id=job.id, position=i, envelope_index=idx,

@@ -24,6 +24,36 @@ from typing import Any
 
 REPORT_TYPE = "https://inference-ledger.dev/matrix-report/v1"
 
+#: The cells ``ledger matrix run`` replays by default (``workers.engine.matrix`` says what
+#: each axis does).
+DEFAULT_CELLS = ("alone", "batch:8", "arrivals:2", "chunk:1", "chunk:16", "prefix:warm",
+                 "graphs:off", "kernels:default", "kernels:default+chunk:16")
+AXES = ("batch", "arrivals", "chunk", "prefix", "graphs", "kernels")
+_CHOICES = {"prefix": ("warm", "cold"), "graphs": ("on", "off"),
+            "kernels": ("default", "invariant")}
+
+
+def parse_cell(spec: str) -> dict[str, Any]:
+    """``batch:8+chunk:16`` -> {"batch": 8, "chunk": 16}; ``alone`` -> {}. Raises
+    ValueError naming the bad part (the API and the CLI check cells before any work)."""
+    axes: dict[str, Any] = {}
+    if spec == "alone":
+        return axes
+    for part in spec.split("+"):
+        name, sep, value = part.partition(":")
+        if not sep or name not in AXES or name in axes:
+            raise ValueError(f"cell {spec!r}: {part!r} is not axis:value with an axis in "
+                             f"{', '.join(AXES)} (each once), or the cell 'alone'")
+        if name in ("batch", "arrivals", "chunk"):
+            if not value.isdigit() or len(value) > 4 or (int(value) < 1 and name != "arrivals"):
+                raise ValueError(f"cell {spec!r}: {name} needs a positive integer below 10000")
+            axes[name] = int(value)
+        elif value in _CHOICES.get(name, ()):
+            axes[name] = value
+        else:
+            raise ValueError(f"cell {spec!r}: bad value {value!r} for {name}")
+    return axes
+
 
 @dataclass(frozen=True)
 class Replayed:
@@ -143,12 +173,18 @@ class CellResult:
 
 
 def report(cells: Sequence[CellResult], *, runtime: Mapping[str, Any],
-           records: Sequence[str], source: str) -> dict[str, Any]:
-    """The JSON report of a matrix run."""
+           records: Sequence[str], source: str,
+           unverified: Sequence[Mapping[str, Any]] = (),
+           verification: str | None = None) -> dict[str, Any]:
+    """The JSON report of a matrix run. ``records``: the request IDs replayed (each
+    checked first); ``unverified``: those that failed a check (``request_id``,
+    ``log_index``, ``reason``), not replayed; ``verification``: what the checks believed."""
     return {
         "_type": REPORT_TYPE,
         "source": source,
+        "verification": verification,
         "records": list(records),
+        "unverified": [dict(u) for u in unverified],
         "runtime": dict(runtime),
         "cells": [cell.summary() for cell in cells],
         "divergences": {
@@ -228,4 +264,11 @@ def render_html(rep: Mapping[str, Any]) -> str:
         f"{html.escape(str(rep['source']))}; engine {_runtime_text(rep['runtime'])}</p>"
         f"<table><tr>{head}</tr>{body}</table>{svg_plot(rep)}"
         f"<h2>Divergences</h2><ul>{''.join(div) or '<li>none</li>'}</ul>"
+        f"<h2>Not replayed (failed their checks)</h2><ul>{_unverified_html(rep)}</ul>"
     )
+
+
+def _unverified_html(rep: Mapping[str, Any]) -> str:
+    items = [f"<li>{html.escape(str(u.get('request_id')))} (entry {u.get('log_index')}): "
+             f"{html.escape(str(u.get('reason')))}</li>" for u in rep.get("unverified", [])]
+    return "".join(items) or "<li>none</li>"

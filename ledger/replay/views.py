@@ -30,7 +30,11 @@ import msgspec
 import orjson
 
 from ledger.core.errors import FormatError
-from ledger.core.statements import EVENT_PREDICATE_TYPE, VERDICT_PREDICATE_TYPE
+from ledger.core.statements import (
+    EVENT_PREDICATE_TYPE,
+    VERDICT_PREDICATE_TYPE,
+    matrix_run_digest,
+)
 
 ENVELOPE_INDEX_FIELDS = ("request_id", "recorded_at", "channel", "tier", "model_sha256",
                          "model_name", "fingerprint_id", "prompt_tokens", "output_tokens",
@@ -275,6 +279,28 @@ def verdict_columns(columns: Mapping[str, Any], signed: Mapping[str, Any]) -> di
     if isinstance(details, dict) and "outcome" not in details:
         details = {**details, "outcome": signed.get("outcome")}
     return {**columns, "details": details}
+
+
+MATRIX_RUN_FIELDS = ("run_id", "job_id", "worker_id", "fingerprint_id", "report_sha256")
+
+
+def matrix_run_view(dsse_bytes: bytes) -> dict[str, Any]:
+    """A replay matrix report as its worker signed it (``report_sha256``: of the report's
+    canonical bytes, which the ``matrix_runs`` row must hold)."""
+    signed = open_signed(dsse_bytes)
+    try:
+        digest = matrix_run_digest(signed.statement)
+    except FormatError as exc:
+        raise SignedRecordError(exc.message) from None
+    p = signed.statement["predicate"]
+    try:
+        worker = p["worker"]
+        return {"run_id": p["run_id"], "job_id": p.get("job_id"),
+                "worker_id": worker["worker_id"], "fingerprint_id": worker["fingerprint_id"],
+                "report_sha256": digest, "report": p["report"], "at": parse_time(p["at"]),
+                "keyids": list(signed.keyids)}
+    except (KeyError, TypeError) as exc:
+        raise SignedRecordError(f"the signed matrix run lacks {exc}") from None
 
 
 def event_view(dsse_bytes: bytes) -> dict[str, Any]:

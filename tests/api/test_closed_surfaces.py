@@ -26,7 +26,8 @@ ROLE_FOR_PERM = {"envelopes:read": "reviewer", "envelopes:write": "ingester",
                  "audit:read": "auditor", "export": "auditor", "disputes:read": "reviewer",
                  "disputes:write": "reviewer", "policies:read": "admin",
                  "policies:write": "admin", "workers:read": "reviewer", "log:read": "reviewer",
-                 "privacy:admin": "admin"}
+                 "privacy:admin": "admin", "matrix:read": "auditor",
+                 "matrix:write": "reviewer"}
 
 
 def _stored(api: ApiServer) -> tuple[str, int]:

@@ -30,16 +30,18 @@ from typing import Any
 
 import torch
 
-from ledger.replay.matrix import CellResult, Replayed, compare
+from ledger.replay.matrix import (  # noqa: F401 - parse_cell, DEFAULT_CELLS re-exported
+    AXES,
+    DEFAULT_CELLS,
+    CellResult,
+    Replayed,
+    compare,
+    parse_cell,
+)
 from workers.engine.api import GenerationRequest, SamplingParams
 from workers.engine.prefix_cache import PrefixCache
 from workers.engine.reference import ReferenceEngine
 
-DEFAULT_CELLS = ("alone", "batch:8", "arrivals:2", "chunk:1", "chunk:16", "prefix:warm",
-                 "graphs:off", "kernels:default", "kernels:default+chunk:16")
-AXES = ("batch", "arrivals", "chunk", "prefix", "graphs", "kernels")
-_CHOICES = {"prefix": ("warm", "cold"), "graphs": ("on", "off"),
-            "kernels": ("default", "invariant")}
 #: Top logprobs asked of every replay (reports the top-K at k-1 and k of a divergence).
 TOP_K = 5
 
@@ -52,25 +54,18 @@ class Record:
     output: Mapping[str, Any]
 
 
-def parse_cell(spec: str) -> dict[str, Any]:
-    """``batch:8+chunk:16`` -> {"batch": 8, "chunk": 16}; ``alone`` -> {}."""
-    axes: dict[str, Any] = {}
-    if spec == "alone":
-        return axes
-    for part in spec.split("+"):
-        name, sep, value = part.partition(":")
-        if not sep or name not in AXES:
-            raise ValueError(f"cell {spec!r}: {part!r} is not axis:value with an axis in "
-                             f"{', '.join(AXES)} (or the cell 'alone')")
-        if name in ("batch", "arrivals", "chunk"):
-            if not value.isdigit() or (int(value) < 1 and name != "arrivals"):
-                raise ValueError(f"cell {spec!r}: {name} needs a positive integer")
-            axes[name] = int(value)
-        elif value in _CHOICES.get(name, ()):
-            axes[name] = value
-        else:
-            raise ValueError(f"cell {spec!r}: bad value {value!r} for {name}")
-    return axes
+def record_from_statement(request_id: str, statement: Any) -> Record:
+    """A matrix record from a signed (and checked) execution envelope statement."""
+    p = statement.predicate
+    out = p.output
+    return Record(
+        request_id=str(p.request_id or request_id), prompt_token_ids=tuple(p.prompt_token_ids),
+        sampling=SamplingParams.from_mapping(p.sampling.model_dump()),
+        output={"token_ids": list(out.token_ids), "logprobs": out.logprobs,
+                "logits_sha256": out.logits_sha256,
+                "top_logprobs": [[(e.token_id, e.logprob) for e in step]
+                                 for step in out.top_logprobs]
+                if out.top_logprobs is not None else None})
 
 
 def _peak_memory(engine: ReferenceEngine) -> int | None:

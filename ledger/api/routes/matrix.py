@@ -1,0 +1,64 @@
+"""/v1/matrix-runs: request a replay matrix run on a worker, read its signed report."""
+
+from __future__ import annotations
+
+import uuid
+
+from fastapi import APIRouter, Depends, Request, Response
+from sqlalchemy.orm import Session
+
+from ledger.api.auth import require
+from ledger.api.deps import get_session, get_settings_dep
+from ledger.api.params import UuidPath
+from ledger.api.routes.replay import IdempotencyKey, commit_and_publish
+from ledger.api.routing import StrictJsonRoute
+from ledger.api.schemas import COMMON_RESPONSES, MatrixRunIn, MatrixRunOut
+from ledger.replay import matrix_runs
+from ledger.services import audit
+from ledger.services.apikeys import Principal
+from ledger.services.disputes import actor_of
+from ledger.settings import Settings
+
+router = APIRouter(prefix="/v1", responses=COMMON_RESPONSES, route_class=StrictJsonRoute)
+
+
+def _out(session: Session, settings: Settings, job_id: uuid.UUID | str) -> MatrixRunOut:
+    state = matrix_runs.matrix_run_state(session, uuid.UUID(str(job_id)),
+                                         matrix_runs.checker_for(settings))
+    links = {"self": f"/v1/matrix-runs/{state['id']}",
+             "page": f"/console/matrix-runs/{state['id']}"}
+    return MatrixRunOut.model_validate({**state, "links": links})
+
+
+@router.post("/matrix-runs", status_code=202, tags=["matrix"], response_model=MatrixRunOut,
+             summary="Request a replay matrix run: a worker replays a sample under each cell",
+             responses={200: {"description": "This Idempotency-Key was used: the first run"}})
+def create_matrix_run(
+    body: MatrixRunIn, request: Request, response: Response,
+    idempotency_key: IdempotencyKey = None,
+    principal: Principal = Depends(require("matrix:write")),
+    session: Session = Depends(get_session),
+    settings: Settings = Depends(get_settings_dep),
+) -> MatrixRunOut:
+    requested = matrix_runs.request_matrix_run(
+        session, settings, actor=actor_of(principal), model_sha256=body.model_sha256,
+        fingerprint_id=body.fingerprint_id, records_fingerprint_id=body.records_fingerprint_id,
+        sample=body.sample, seed=body.seed, cells=body.cells, idempotency_key=idempotency_key)
+    job = requested.job
+    if requested.created:
+        audit.record(session, principal, "matrix_run.requested", str(job.id),
+                     **{k: v for k, v in (job.params or {}).items() if k != "requested_by"})
+    else:
+        response.status_code = 200
+    job_id, fingerprint = job.id, job.fingerprint_id
+    commit_and_publish(request, session,
+                       [(str(job_id), fingerprint)] if requested.created else [])
+    return _out(session, settings, job_id)
+
+
+@router.get("/matrix-runs/{run_id}", tags=["matrix"], response_model=MatrixRunOut,
+            summary="A matrix run's state and signed report (checked against its leaf)")
+def get_matrix_run(run_id: UuidPath, _: Principal = Depends(require("matrix:read")),
+                   session: Session = Depends(get_session),
+                   settings: Settings = Depends(get_settings_dep)) -> MatrixRunOut:
+    return _out(session, settings, run_id)

@@ -1,0 +1,143 @@
+"""The replay matrix checks every sampled record before replaying it (issue 16, item 3):
+its DSSE signature under a producer key the trust policy vouches for, and its inclusion in
+a checkpoint signed by a policy log key. An insider's edits to stored envelopes, and a
+record no checkpoint covers yet, are listed in the report with the reason, not replayed."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from sqlalchemy import select
+
+pytest.importorskip("torch")
+
+from typer.testing import CliRunner
+
+from ledger.cli.main import app
+from ledger.core.envelope import output_digest
+from ledger.db.session import session_scope
+from ledger.producer import sign_statement
+from ledger.services import ingest
+from tests.replay.conftest import Stack, record
+from tests.replay.test_replay_inprocess import ingest_all
+
+
+def _superuser(db_url: str) -> psycopg.Connection[Any]:
+    conn = psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True)
+    conn.execute("SET session_replication_role = replica")   # the insider: no triggers
+    return conn
+
+
+def test_matrix_reports_records_that_fail_their_checks_and_replays_only_the_rest(
+        stack: Stack, tiny_engine: Any, tmp_path: Path) -> None:
+    recs = record(tiny_engine, stack.producer, 6, seed=5, prefix="mx")
+    ingest_all(stack, [r.envelope for r in recs])
+    late = record(tiny_engine, stack.producer, 1, seed=6, prefix="late")[0]
+    with session_scope(stack.db) as s:    # sequenced, but no checkpoint covers it yet
+        assert ingest.ingest(s, [late.envelope], stack.settings)[0].status == 201
+    bad_sig, rewritten = recs[1].request_id, recs[2].request_id
+    with _superuser(stack.settings.database_url) as conn:
+        # 1. a signature byte changed in the stored bytes
+        (raw,) = conn.execute("SELECT dsse FROM envelopes WHERE request_id = %s",
+                              (bad_sig,)).fetchone()
+        obj = json.loads(bytes(raw))
+        sig = bytearray(base64.b64decode(obj["signatures"][0]["sig"]))
+        sig[0] ^= 1
+        obj["signatures"][0]["sig"] = base64.b64encode(bytes(sig)).decode()
+        conn.execute("UPDATE envelopes SET dsse = %s WHERE request_id = %s",
+                     (json.dumps(obj).encode(), bad_sig))
+        # 2. the output rewritten and re-signed with the real producer key (a compromised
+        # gateway rewriting history): the signature holds, the log does not
+        st = copy.deepcopy(recs[2].statement)
+        tokens = st["predicate"]["output"]["token_ids"]
+        tokens[1] = (tokens[1] + 1) % 256
+        st["subject"] = [{"name": rewritten, "digest": {"sha256": output_digest(tokens)}}]
+        forged = sign_statement(st, stack.producer).canonical_bytes()
+        conn.execute("UPDATE envelopes SET dsse = %s, dsse_sha256 = sha256(%s) "
+                     "WHERE request_id = %s", (forged, forged, rewritten))
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, [
+        "matrix", "run", "--database-url", stack.settings.database_url, "--trust",
+        str(stack.settings.trust_policy_file), "--sample", "0", "--output", str(out),
+        "--cell", "alone", "--cell", "batch:4"])
+    assert result.exit_code == 0, result.output
+    rep = json.loads(out.read_text())
+    reasons = {u["request_id"]: u["reason"] for u in rep["unverified"]}
+    assert set(reasons) == {bad_sig, rewritten, late.request_id}, reasons
+    assert reasons[bad_sig].startswith("bad signature"), reasons
+    assert reasons[rewritten].startswith("not verifiably in the log"), reasons
+    assert "not in a signed checkpoint" in reasons[late.request_id], reasons
+    honest = {r.request_id for r in recs} - {bad_sig, rewritten}
+    assert set(rep["records"]) == honest
+    assert rep["verification"].startswith("trust policy")
+    for cell in rep["cells"]:      # only the checked records were replayed, all bitwise
+        assert cell["records"] == len(honest) and cell["bitwise"] == len(honest), cell
+    assert "Not replayed" in (tmp_path / "report.html").read_text()
+
+
+def test_records_from_a_file_are_refused_without_no_verify(tmp_path: Path) -> None:
+    path = tmp_path / "envelopes.jsonl"
+    path.write_text("{}\n")
+    result = CliRunner().invoke(app, ["matrix", "run", "--envelopes", str(path),
+                                      "--cell", "alone"])
+    assert result.exit_code != 0
+    assert "--no-verify" in result.output
+
+
+
+
+
+
+def test_signed_report_is_a_leaf_that_audit_and_verify_accept_and_edits_are_caught(
+        stack: Stack, tiny_engine: Any, tmp_path: Path) -> None:
+    from ledger.core.bundle import verify_bundle
+    from ledger.core.keys import private_pem
+    from ledger.db.models import MatrixRun
+    from ledger.log.audit import audit
+    from ledger.log.export import Selection, bundle_lines
+    from ledger.log.integrator import integrate_all
+    from ledger.replay.matrix_runs import StoredReportMismatch, checked_report
+    from ledger.replay.trusted import RecordChecker
+
+    recs = record(tiny_engine, stack.producer, 4, seed=7, prefix="leaf")
+    ingest_all(stack, [r.envelope for r in recs])
+    key = tmp_path / "worker.pem"
+    key.write_bytes(private_pem(stack.worker_signer.key))
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, [
+        "matrix", "run", "--database-url", stack.settings.database_url, "--trust",
+        str(stack.settings.trust_policy_file), "--sample", "0", "--output", str(out),
+        "--cell", "alone", "--sign-with", str(key)])
+    assert result.exit_code == 0, result.output
+    integrate_all(stack.db, stack.log_signer)
+    checker = RecordChecker(stack.settings.log_name, stack.trust)
+    with session_scope(stack.db) as s:
+        (row,) = s.scalars(select(MatrixRun)).all()
+        served, checked = checked_report(s, row, checker)
+        assert json.loads(served) == json.loads(out.read_text())
+        assert checked["checkpoint"] is not None and checked["log_index"] == row.log_index
+        run_id, index = row.run_id, row.log_index
+    report = audit(stack.db, stack.settings.log_name, signatures=True, trust=stack.trust)
+    # (the fixture's API keys are provisioned without registry leaves: reported as such)
+    assert [p for p in report.problems if not p.startswith("registry: ")] == []
+    assert report.signatures_checked == report.entries
+    assert report.records_checked.get("matrix_run") == 1
+    bundle = b"".join(bundle_lines(stack.db, Selection(), signer=stack.service))
+    summary = verify_bundle(bundle, trust=stack.trust)
+    assert summary.by_kind.get("matrix_run") == 1, summary
+    with _superuser(stack.settings.database_url) as conn:   # the insider edits the report
+        (raw,) = conn.execute("SELECT report FROM matrix_runs").fetchone()
+        edited = bytes(raw).replace(b'"bitwise":4', b'"bitwise":3')
+        assert edited != bytes(raw)
+        conn.execute("UPDATE matrix_runs SET report = %s", (edited,))
+    report = audit(stack.db, stack.settings.log_name)
+    assert not report.ok and report.first_bad_index == index
+    assert any("report_sha256" in p and run_id in p for p in report.problems), report.problems
+    with session_scope(stack.db) as s, pytest.raises(StoredReportMismatch):
+        checked_report(s, s.scalars(select(MatrixRun)).one(), checker)
