@@ -27,7 +27,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -192,9 +192,15 @@ def _envelope(raw: Any, max_bytes: int) -> dsse.Envelope:
     return env
 
 
+#: Loads the producer keys of the given key IDs (:func:`ledger.services.keys.load_keyring`
+#: over a session, or :func:`~ledger.services.keys.load_keyring_reads`).
+KeyLoader = Callable[[Iterable[str]], KeyRing]
+
+
 def decode_items(raw_items: Sequence[Any], settings: Settings,
-                 session: Session) -> tuple[list[Prepared | None], list[ItemResult]]:
-    """Verify and validate every item. Returns prepared items and, for failures, results."""
+                 keys: Session | KeyLoader) -> tuple[list[Prepared | None], list[ItemResult]]:
+    """Verify and validate every item. Returns prepared items and, for failures, results.
+    ``keys``: a session to read the producer keys in, or a :data:`KeyLoader`."""
     limits = limits_from(settings)
     envs: list[dsse.Envelope | LedgerError] = []
     for raw in raw_items:
@@ -203,7 +209,8 @@ def decode_items(raw_items: Sequence[Any], settings: Settings,
         except LedgerError as exc:
             envs.append(exc)
     keyids = {s.keyid for e in envs if isinstance(e, dsse.Envelope) for s in e.signatures}
-    keyring = load_keyring(session, keyids, purpose="producer")
+    keyring = load_keyring(keys, keyids, purpose="producer") if isinstance(keys, Session) \
+        else keys(keyids)
     not_before = keyring.not_before()
     now = datetime.now(UTC)
     prepared: list[Prepared | None] = []
@@ -510,8 +517,8 @@ class _Ticket:
     error: BaseException | None = None
 
 
-def ingest_batch(session: Session, raw_items: Sequence[Any], settings: Settings, *,
-                 atomic: bool = False, group_commit: GroupCommit | None = None
+def ingest_batch(session: Session | KeyLoader, raw_items: Sequence[Any], settings: Settings,
+                 *, atomic: bool = False, group_commit: GroupCommit | None = None
                  ) -> IngestReport:
     """Verify, validate and classify every item, then (unless an atomic batch has a failed
     item) sequence and store the new ones.
@@ -519,13 +526,14 @@ def ingest_batch(session: Session, raw_items: Sequence[Any], settings: Settings,
     Without ``group_commit`` this flushes only, in the session's transaction: the caller
     commits when the outcome is STORED and rolls back when it is REJECTED (nothing was
     written then). With it (the API), what was stored is committed when this returns, and
-    the session was only read."""
+    ``session`` is only read: it may then be a :data:`KeyLoader` instead."""
     prepared, failures = decode_items(raw_items, settings, session)
     group = Group(prepared, failures, atomic)
     if group.has_items:
         if group_commit is not None:
             group_commit.store(group)
         else:
+            assert isinstance(session, Session), "storing without group commit needs a session"
             with raw_cursor(session) as cur:
                 store_groups(cur, [group], settings=settings)
     if group.report is None:  # nothing to store: every item failed before storage
