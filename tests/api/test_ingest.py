@@ -326,3 +326,14 @@ def test_ingest_survives_its_pooled_connections_being_dropped(api: ApiServer) ->
         assert dropped is not None and dropped[0] >= 1  # the pool held one: it is gone now
         r = post_raw(api, json.dumps(signed(statement(), api.producer)).encode())  # type: ignore[attr-defined]
         assert r.status_code == 201, r.text
+
+
+@pytest.mark.parametrize("body", [b"1", b"null", b"true", b"1.5", b'"x"'])
+def test_a_scalar_body_is_a_400_not_a_500(api: ApiServer, body: bytes) -> None:
+    """A JSON document that is a bare scalar once made the strict reader's depth check
+    raise TypeError (a 500)."""
+    for path in ("/v1/envelopes", "/v1/envelopes/batch"):
+        with api.client("ingester") as c:
+            r = c.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (path, body, r.text)
+        assert r.headers["content-type"].startswith("application/problem+json")
