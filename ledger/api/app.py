@@ -292,6 +292,7 @@ def _lifespan(settings: Settings, engine: Engine
             if app.state.metrics_listener is not None:
                 app.state.metrics_listener.stop()
             app.state.group_commit.close()
+            app.state.ingest_reads.dispose()
 
     return lifespan
 
@@ -414,6 +415,10 @@ def _install_openapi(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+#: ``application_name`` of the ingest reads' connections (``pg_stat_activity``)
+INGEST_READS_APPLICATION = "ledger-api-ingest-reads"
+
+
 def create_app(settings: Settings | None = None, engine: Engine | None = None,
                publisher: Publisher | None = None) -> FastAPI:
     settings = settings or get_settings()
@@ -435,6 +440,11 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.state.group_commit = GroupCommit(make_engine(
         settings, url=engine.url.render_as_string(hide_password=False), pool_size=1),
         settings)
+    # ingest's reads (the API key, the producer keys): autocommit, no pre-ping
+    # (ledger.db.session.AutocommitReads retries a statement that met a dropped connection)
+    app.state.ingest_reads = make_engine(
+        settings, url=engine.url.render_as_string(hide_password=False), pre_ping=False,
+        autocommit=True, application_name=INGEST_READS_APPLICATION)
     app.state.service_signer = Signer.from_file(settings.service_key_file, "ledger",
                                                 "ledger-service")
     app.state.publisher = publisher if publisher is not None else CeleryPublisher(

@@ -12,7 +12,9 @@ C2SP tlog-tiles paths (``/log/...``) stay public, as that spec expects (docs/dep
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -48,8 +50,23 @@ PERMISSIONS: dict[str, frozenset[str]] = {
 _bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer lk_...`")
 
 
-def require(permission: str) -> Callable[..., Iterator[Principal]]:
+def _presented(creds: HTTPAuthorizationCredentials | None) -> str:
+    if creds is None or creds.scheme.lower() != "bearer" or not creds.credentials:
+        raise Unauthorized("send an API key as `Authorization: Bearer <key>`",
+                           code="missing_api_key")
+    return creds.credentials
+
+
+def check_role(principal: Principal, permission: str) -> None:
     roles = PERMISSIONS[permission]
+    if principal.role not in roles:
+        raise Forbidden(f"role {principal.role!r} may not {permission}; allowed: "
+                        f"{', '.join(sorted(roles))}", code="forbidden_role")
+
+
+def require(permission: str) -> Callable[..., Iterator[Principal]]:
+    if permission not in PERMISSIONS:
+        raise KeyError(f"unknown permission {permission!r}")
 
     def dependency(
         request: Request,
@@ -57,16 +74,38 @@ def require(permission: str) -> Callable[..., Iterator[Principal]]:
         session: Session = Depends(get_session),
         settings: Settings = Depends(get_settings_dep),
     ) -> Iterator[Principal]:
-        if creds is None or creds.scheme.lower() != "bearer" or not creds.credentials:
-            raise Unauthorized("send an API key as `Authorization: Bearer <key>`",
-                               code="missing_api_key")
-        principal = authenticate(session, creds.credentials,
+        principal = authenticate(session, _presented(creds),
                                  settings.api_key_pepper.get_secret_value())
-        if principal.role not in roles:
-            raise Forbidden(f"role {principal.role!r} may not {permission}; allowed: "
-                            f"{', '.join(sorted(roles))}", code="forbidden_role")
+        check_role(principal, permission)
         request.state.principal = principal
         yield principal
+
+    dependency.permission = permission  # type: ignore[attr-defined]
+    return dependency
+
+
+@dataclass(frozen=True, slots=True)
+class Credentials:
+    """An API key as presented, not yet checked, and the permission it must hold: the
+    route checks both in its own thread-pool hop (:func:`ledger.services.apikeys.
+    authenticate_reads`, then :func:`check_role`), before it acts on anything else."""
+
+    api_key: str
+    permission: str
+
+
+def presented(permission: str) -> Callable[..., Coroutine[Any, Any, Credentials]]:
+    """:func:`require` for a route that checks the key itself, in the one thread-pool hop
+    it makes anyway (ingest, the hot path): a missing key is refused here, at once; the
+    key and its role are checked by the route before it reads or stores anything. An
+    async dependency, so it costs no hop of its own."""
+    if permission not in PERMISSIONS:
+        raise KeyError(f"unknown permission {permission!r}")
+
+    async def dependency(
+        creds: HTTPAuthorizationCredentials | None = Depends(_bearer),
+    ) -> Credentials:
+        return Credentials(_presented(creds), permission)
 
     dependency.permission = permission  # type: ignore[attr-defined]
     return dependency

@@ -28,7 +28,8 @@ class UnknownQueryParameters(BadRequest):
         self.parameters = parameters
 
 
-def get_settings_dep(request: Request) -> Settings:
+async def get_settings_dep(request: Request) -> Settings:
+    """Async: no I/O, so no thread-pool hop (a sync dependency costs one per request)."""
     settings: Settings = request.app.state.settings
     return settings
 
@@ -56,12 +57,13 @@ def declared_query(route: APIRoute) -> frozenset[str]:
     return names
 
 
-def reject_unknown_query(request: Request) -> None:
+async def reject_unknown_query(request: Request) -> None:
     """400 for any query parameter the route does not declare.
 
     A misspelt or unsupported filter is otherwise silently dropped: ``GET
     /v1/envelopes?request_id=X`` would answer with *every* envelope, and a caller would
-    take the first one for X. Wired once for every route (``ledger.api.app``)."""
+    take the first one for X. Wired once for every route (``ledger.api.app``). Async: no
+    I/O, so no thread-pool hop."""
     route = request.scope.get("route")
     if not isinstance(route, APIRoute):
         return

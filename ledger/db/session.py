@@ -6,7 +6,7 @@ dependency, the task, the CLI command) commits or rolls back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from importlib import resources
@@ -34,16 +34,24 @@ def database_url(settings: Settings, url: str | None = None) -> str:
 
 
 def make_engine(settings: Settings | None = None, *, url: str | None = None,
-                pool_size: int | None = None) -> Engine:
+                pool_size: int | None = None, pre_ping: bool = True,
+                autocommit: bool = False, application_name: str | None = None) -> Engine:
+    """``pre_ping=False`` skips the round trip that tests a pooled connection at each
+    checkout: its user must handle a stale connection itself (:class:`AutocommitReads`).
+    ``autocommit``: every connection in autocommit, set once when it is opened (no BEGIN,
+    and no isolation level reset when it goes back to the pool). ``application_name``
+    names the connections in ``pg_stat_activity``."""
     settings = settings or get_settings()
     engine = create_engine(
         database_url(settings, url),
         pool_size=pool_size or settings.db_pool_size,
         max_overflow=settings.db_pool_size,
-        pool_pre_ping=True,
+        pool_pre_ping=pre_ping,
         pool_timeout=settings.db_pool_timeout_s,
         pool_recycle=1800,
-        connect_args={"connect_timeout": 5},
+        connect_args={"connect_timeout": 5,
+                      **({"application_name": application_name} if application_name else {})},
+        **({"isolation_level": "AUTOCOMMIT"} if autocommit else {}),
     )
     role = settings.database_role
     if role:
@@ -80,6 +88,46 @@ def session_scope(engine: Engine) -> Iterator[Session]:
         raise
     finally:
         session.close()
+
+
+class AutocommitReads:
+    """Read-only statements on one pooled connection of an autocommit engine made with
+    ``pre_ping=False`` (the ingest path: each statement is one round trip, no BEGIN, no
+    ROLLBACK, no ping). A statement that fails with ``OperationalError`` (a connection
+    the server dropped while it sat in the pool, after a restart) is run once more on a
+    fresh connection: these are reads, so running one again is safe. Use it as a context
+    manager; the connection goes back to the pool on the way out."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._conn: Connection | None = None
+
+    def fetchall(self, query: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
+        for attempt in range(2):
+            if self._conn is None:
+                self._conn = self.engine.connect()
+            try:
+                with raw_cursor(self._conn) as cur:
+                    cur.execute(query, params)
+                    return cur.fetchall()
+            except psycopg.OperationalError:
+                self._conn.invalidate()
+                self.release()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def release(self) -> None:
+        """Give the connection back to the pool now (a later statement takes another)."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> AutocommitReads:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.release()
 
 
 # --- migrations ------------------------------------------------------------------------

@@ -13,13 +13,14 @@ import secrets
 import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ledger.db.models import ApiKey
+from ledger.db.session import AutocommitReads
 from ledger.errors import Conflict, NotFound, Unauthorized
 
 if TYPE_CHECKING:
@@ -68,20 +69,42 @@ def create_api_key(session: Session, *, name: str, role: str, pepper: str,
 
 
 def authenticate(session: Session, key: str, pepper: str) -> Principal:
-    if not key.startswith(KEY_PREFIX) or len(key) > 200:
-        raise Unauthorized("malformed API key", code="bad_api_key")
-    digest = hash_key(key, pepper)
+    digest = _digest_of(key, pepper)
     row = session.execute(
         select(ApiKey.id, ApiKey.name, ApiKey.role, ApiKey.key_hash, ApiKey.revoked_at)
         .where(ApiKey.key_hash == digest)
     ).first()
+    return _principal(tuple(row) if row is not None else None, digest)
+
+
+#: :func:`authenticate_reads`' query: the same row as :func:`authenticate` reads.
+_BY_HASH = "SELECT id, name, role, key_hash, revoked_at FROM api_keys WHERE key_hash = %s"
+
+
+def authenticate_reads(reads: AutocommitReads, key: str, pepper: str) -> Principal:
+    """:func:`authenticate` in one raw statement (the ingest path: no session, no ORM).
+    The same checks, on the row as it is now: nothing is cached, so a revocation takes
+    effect with the next request, in every process."""
+    digest = _digest_of(key, pepper)
+    rows = reads.fetchall(_BY_HASH, (digest,))
+    return _principal(rows[0] if rows else None, digest)
+
+
+def _digest_of(key: str, pepper: str) -> bytes:
+    if not key.startswith(KEY_PREFIX) or len(key) > 200:
+        raise Unauthorized("malformed API key", code="bad_api_key")
+    return hash_key(key, pepper)
+
+
+def _principal(row: tuple[Any, ...] | None, digest: bytes) -> Principal:
+    """The caller of a (id, name, role, key_hash, revoked_at) row found by ``digest``."""
     # The lookup is by hash; the compare is constant-time anyway, against a dummy on a miss.
-    stored = row.key_hash if row is not None else b"\0" * 32
+    stored = bytes(row[3]) if row is not None else b"\0" * 32
     if not hmac.compare_digest(stored, digest) or row is None:
         raise Unauthorized("unknown API key", code="bad_api_key")
-    if row.revoked_at is not None:
+    if row[4] is not None:
         raise Unauthorized("this API key was revoked", code="revoked_api_key")
-    return Principal(str(row.id), row.name, row.role)
+    return Principal(str(row[0]), row[1], row[2])
 
 
 def _locked(session: Session, key_id: str) -> ApiKey:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -141,13 +141,22 @@ def check_canonical_base64(env: dsse.Envelope) -> None:
     stored copy, or two "different" envelopes). Every encoder writes the canonical form
     (RFC 4648 section 3.5: pad bits zero), so only a hand-made text is refused.
     """
-    if base64.b64encode(env.payload).decode("ascii") != env.payload_b64:
+    if not _canonical_b64(env.payload_b64, env.payload):
         raise FormatError("DSSE payload is not canonical base64 (RFC 4648 3.5: the pad bits "
                           "of the last character must be zero)", code="non_canonical_base64")
     for i, s in enumerate(env.signatures):
-        if base64.b64encode(s.sig).decode("ascii") != s.sig_b64:
+        if not _canonical_b64(s.sig_b64, s.sig):
             raise FormatError(f"DSSE signatures[{i}].sig is not canonical base64 (RFC 4648 "
                               "3.5)", code="non_canonical_base64")
+
+
+def _canonical_b64(text: str, data: bytes) -> bool:
+    """Whether ``text`` (which strict decoding turned into ``data``) is the canonical
+    encoding of ``data``. Strict decoding leaves one freedom only, the unused bits of the
+    last group, so comparing that group is enough (the whole text need not be encoded
+    again: a payload is kilobytes)."""
+    tail = len(data) % 3 or 3
+    return text[-4:] == base64.b64encode(data[-tail:]).decode("ascii") if data else text == ""
 
 
 def prepare(env: dsse.Envelope, keyring: KeyRing, limits: Limits, now: datetime,
@@ -192,9 +201,15 @@ def _envelope(raw: Any, max_bytes: int) -> dsse.Envelope:
     return env
 
 
+#: Loads the producer keys of the given key IDs (:func:`ledger.services.keys.load_keyring`
+#: over a session, or :func:`~ledger.services.keys.load_keyring_reads`).
+KeyLoader = Callable[[Iterable[str]], KeyRing]
+
+
 def decode_items(raw_items: Sequence[Any], settings: Settings,
-                 session: Session) -> tuple[list[Prepared | None], list[ItemResult]]:
-    """Verify and validate every item. Returns prepared items and, for failures, results."""
+                 keys: Session | KeyLoader) -> tuple[list[Prepared | None], list[ItemResult]]:
+    """Verify and validate every item. Returns prepared items and, for failures, results.
+    ``keys``: a session to read the producer keys in, or a :data:`KeyLoader`."""
     limits = limits_from(settings)
     envs: list[dsse.Envelope | LedgerError] = []
     for raw in raw_items:
@@ -203,7 +218,8 @@ def decode_items(raw_items: Sequence[Any], settings: Settings,
         except LedgerError as exc:
             envs.append(exc)
     keyids = {s.keyid for e in envs if isinstance(e, dsse.Envelope) for s in e.signatures}
-    keyring = load_keyring(session, keyids, purpose="producer")
+    keyring = load_keyring(keys, keyids, purpose="producer") if isinstance(keys, Session) \
+        else keys(keyids)
     not_before = keyring.not_before()
     now = datetime.now(UTC)
     prepared: list[Prepared | None] = []
@@ -510,8 +526,8 @@ class _Ticket:
     error: BaseException | None = None
 
 
-def ingest_batch(session: Session, raw_items: Sequence[Any], settings: Settings, *,
-                 atomic: bool = False, group_commit: GroupCommit | None = None
+def ingest_batch(session: Session | KeyLoader, raw_items: Sequence[Any], settings: Settings,
+                 *, atomic: bool = False, group_commit: GroupCommit | None = None
                  ) -> IngestReport:
     """Verify, validate and classify every item, then (unless an atomic batch has a failed
     item) sequence and store the new ones.
@@ -519,13 +535,14 @@ def ingest_batch(session: Session, raw_items: Sequence[Any], settings: Settings,
     Without ``group_commit`` this flushes only, in the session's transaction: the caller
     commits when the outcome is STORED and rolls back when it is REJECTED (nothing was
     written then). With it (the API), what was stored is committed when this returns, and
-    the session was only read."""
+    ``session`` is only read: it may then be a :data:`KeyLoader` instead."""
     prepared, failures = decode_items(raw_items, settings, session)
     group = Group(prepared, failures, atomic)
     if group.has_items:
         if group_commit is not None:
             group_commit.store(group)
         else:
+            assert isinstance(session, Session), "storing without group commit needs a session"
             with raw_cursor(session) as cur:
                 store_groups(cur, [group], settings=settings)
     if group.report is None:  # nothing to store: every item failed before storage

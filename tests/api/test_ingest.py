@@ -274,3 +274,66 @@ def test_worker_key_cannot_sign_envelopes(api: ApiServer) -> None:
             "purpose": "worker", "name": "gpu-1"}).status_code == 201
     r = post_raw(api, json.dumps(signed(statement(), worker_key)).encode())
     assert r.status_code == 422 and r.json()["code"] == "wrong_key_purpose"
+
+
+def test_api_key_revocation_and_role_change_take_effect_on_the_next_ingest(
+        api: ApiServer) -> None:
+    """Ingest checks its API key in a raw statement of its own (no session, nothing
+    cached): a revoked key, or one given another role, is refused from the next request
+    on, single and batch."""
+    env = lambda: signed(statement(), api.producer)  # type: ignore[attr-defined]  # noqa: E731
+    with api.client("admin") as admin:
+        made = admin.post("/v1/api-keys", json={"name": "ingest-revoke", "role": "ingester"})
+        assert made.status_code == 201, made.text
+        kid, key = made.json()["id"], made.json()["key"]
+        demoted = admin.post("/v1/api-keys", json={"name": "ingest-demote", "role": "ingester"})
+        did, dkey = demoted.json()["id"], demoted.json()["key"]
+        with api.client() as c:
+            for k in (key, dkey):
+                r = c.post("/v1/envelopes", json=env(), headers={"Authorization": f"Bearer {k}"})
+                assert r.status_code == 201, r.text
+            assert admin.post(f"/v1/api-keys/{kid}/revoke").status_code == 200
+            assert admin.post(f"/v1/api-keys/{did}/role", json={"role": "reviewer"}
+                              ).status_code == 200
+            before = counts(api)
+            for path, body in (("/v1/envelopes", env()),
+                               ("/v1/envelopes/batch", {"envelopes": [env()]})):
+                r = c.post(path, json=body, headers={"Authorization": f"Bearer {key}"})
+                assert r.status_code == 401 and r.json()["code"] == "revoked_api_key", r.text
+                r = c.post(path, json=body, headers={"Authorization": f"Bearer {dkey}"})
+                assert r.status_code == 403 and r.json()["code"] == "forbidden_role", r.text
+            # an unauthorised request is refused before its body is looked at
+            r = c.post("/v1/envelopes", content=b"{not json",
+                       headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 401
+            assert counts(api) == before
+
+
+def test_ingest_survives_its_pooled_connections_being_dropped(api: ApiServer) -> None:
+    """The ingest reads use pooled connections without a pre-ping; a connection the
+    server dropped (a restart, an idle timeout) is replaced and the statement run again,
+    so the request still succeeds (201), not 503."""
+    from ledger.api.app import INGEST_READS_APPLICATION
+
+    url = api.db_url.replace("postgresql+psycopg://", "postgresql://")  # type: ignore[attr-defined]
+    for _ in range(3):
+        r = post_raw(api, json.dumps(signed(statement(), api.producer)).encode())  # type: ignore[attr-defined]
+        assert r.status_code == 201, r.text
+        with psycopg.connect(url, autocommit=True) as conn:
+            dropped = conn.execute(
+                "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = %s", (INGEST_READS_APPLICATION,)).fetchone()
+        assert dropped is not None and dropped[0] >= 1  # the pool held one: it is gone now
+        r = post_raw(api, json.dumps(signed(statement(), api.producer)).encode())  # type: ignore[attr-defined]
+        assert r.status_code == 201, r.text
+
+
+@pytest.mark.parametrize("body", [b"1", b"null", b"true", b"1.5", b'"x"'])
+def test_a_scalar_body_is_a_400_not_a_500(api: ApiServer, body: bytes) -> None:
+    """A JSON document that is a bare scalar once made the strict reader's depth check
+    raise TypeError (a 500)."""
+    for path in ("/v1/envelopes", "/v1/envelopes/batch"):
+        with api.client("ingester") as c:
+            r = c.post(path, content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, (path, body, r.text)
+        assert r.headers["content-type"].startswith("application/problem+json")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -14,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy.orm import Session
 
 from ledger import metrics
-from ledger.api.auth import require
+from ledger.api.auth import Credentials, check_role, presented, require
 from ledger.api.deps import get_session, get_settings_dep
 from ledger.api.params import (
     AfterQuery,
@@ -37,7 +38,8 @@ from ledger.api.schemas import (
 )
 from ledger.core import jsonstrict
 from ledger.core.envelope import envelope_json_schema
-from ledger.core.errors import FormatError, ValidationFailed
+from ledger.core.errors import FormatError, LedgerError, ValidationFailed
+from ledger.db.session import AutocommitReads
 from ledger.errors import Conflict
 from ledger.log import proofs
 from ledger.log.integrator import integrate_once
@@ -45,7 +47,8 @@ from ledger.privacy.keys import kek_from_settings
 from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
 from ledger.services import envelopes as envelope_service
 from ledger.services import ingest as ingest_service
-from ledger.services.apikeys import Principal
+from ledger.services.apikeys import Principal, authenticate_reads
+from ledger.services.keys import KeyRing, load_keyring_reads
 from ledger.settings import Settings
 
 router = APIRouter(prefix="/v1", tags=["envelopes"], responses=COMMON_RESPONSES)
@@ -94,14 +97,35 @@ def _count(results: list[ingest_service.ItemResult]) -> None:
             metrics.REJECTED.labels("request_id_conflict").inc()
 
 
-def _ingest_sync(request: Request, session: Session, items: list[Any], settings: Settings,
-                 atomic: bool) -> ingest_service.IngestReport:
-    """The service decides and stores through the process's group commit (what it stored
-    is committed when it returns); the request's session was only read."""
-    report = ingest_service.ingest_batch(session, items, settings, atomic=atomic,
-                                         group_commit=request.app.state.group_commit)
-    session.rollback()
-    return report
+def _ingest_sync(app: Any, credentials: Credentials, body: bytes | LedgerError,
+                 settings: Settings, *, atomic: bool, batch: bool
+                 ) -> ingest_service.IngestReport:
+    """All of an ingest request that is not I/O-bound, in one thread-pool hop: check the
+    API key and its role (first: nothing of an unauthorised request is parsed), read the
+    body's envelopes, verify and validate them, then store through the process's group
+    commit (what it stored is committed when this returns).
+
+    The key and the producer keys are read on an autocommit connection without a pre-ping
+    (:class:`~ledger.db.session.AutocommitReads`): one round trip each, from the rows as
+    they are now, so a revoked API key or signing key is refused from the next request
+    on, as with a session."""
+    with AutocommitReads(app.state.ingest_reads) as reads:
+        principal = authenticate_reads(reads, credentials.api_key,
+                                       settings.api_key_pepper.get_secret_value())
+        check_role(principal, credentials.permission)
+        if isinstance(body, LedgerError):
+            raise body
+        items = _batch_items(body, settings) if batch else [body]
+        metrics.BATCH_SIZE.observe(len(items))
+
+        def producer_keys(keyids: Iterable[str]) -> KeyRing:
+            try:
+                return load_keyring_reads(reads, keyids, purpose="producer")
+            finally:
+                reads.release()  # not held while the items are verified and stored
+
+        return ingest_service.ingest_batch(producer_keys, items, settings, atomic=atomic,
+                                           group_commit=app.state.group_commit)
 
 
 async def _read_capped(request: Request, limit: int) -> bytes:
@@ -139,14 +163,16 @@ async def ingest_one(
     wait: bool = Query(False, description="Wait until the entry is integrated and return a "
                        "receipt (inclusion proof + signed checkpoint)"),
     timeout: float = Query(5.0, gt=0, le=60, description="Seconds to wait for the receipt"),
-    _: Principal = Depends(require("envelopes:write")),
-    session: Session = Depends(get_session),
+    credentials: Credentials = Depends(presented("envelopes:write")),
     settings: Settings = Depends(get_settings_dep),
 ) -> Response:
-    raw = await _read_capped(request, settings.max_envelope_bytes)
-    metrics.BATCH_SIZE.observe(1)
-    report = await run_in_threadpool(_ingest_sync, request, session, [raw], settings,
-                                      False)
+    raw: bytes | LedgerError
+    try:
+        raw = await _read_capped(request, settings.max_envelope_bytes)
+    except ValidationFailed as exc:  # refused after the key is checked: 401/403 come first
+        raw = exc
+    report = await run_in_threadpool(_ingest_sync, request.app, credentials, raw, settings,
+                                     atomic=False, batch=False)
     _count(report.results)
     r = report.results[0]
     if r.error is not None:
@@ -159,15 +185,29 @@ async def ingest_one(
             log_index=r.log_index)
     body = _result_dict(r)
     if wait and r.log_index is not None:
-        receipts = await _receipts(request, session, [r.log_index], timeout)
+        receipts = await _receipts(request, [r.log_index], timeout)
         body["receipt"] = receipts[0] if receipts else None
     return JSONResponse(body, status_code=http_status(r))
 
 
-async def _receipts(request: Request, session: Session, indices: list[int],
+async def _receipts(request: Request, indices: list[int],
                     timeout: float) -> list[dict[str, Any]] | None:
     """Inclusion proofs of ``indices`` against one checkpoint, once it covers them all;
     None if that did not happen within ``timeout`` seconds (the entries stay stored)."""
+    session: Session = request.app.state.sessionmaker()
+    try:
+        return await _receipts_in(request, session, indices, timeout)
+    finally:
+        await run_in_threadpool(_close, session)
+
+
+def _close(session: Session) -> None:
+    session.rollback()
+    session.close()
+
+
+async def _receipts_in(request: Request, session: Session, indices: list[int],
+                       timeout: float) -> list[dict[str, Any]] | None:
     deadline = time.monotonic() + timeout
     integrator = getattr(request.app.state, "integrator", None)
     needed = max(indices)
@@ -221,14 +261,12 @@ async def ingest_batch(
     atomic: bool = Query(False, description="All or nothing"),
     wait: bool = Query(False, description="Wait for integration; add a receipt per item"),
     timeout: float = Query(5.0, gt=0, le=60, description="Seconds to wait for receipts"),
-    _: Principal = Depends(require("envelopes:write")),
-    session: Session = Depends(get_session),
+    credentials: Credentials = Depends(presented("envelopes:write")),
     settings: Settings = Depends(get_settings_dep),
 ) -> Response:
-    items = _batch_items(await request.body(), settings)
-    metrics.BATCH_SIZE.observe(len(items))
-    report = await run_in_threadpool(_ingest_sync, request, session, items, settings,
-                                      atomic)
+    report = await run_in_threadpool(_ingest_sync, request.app, credentials,
+                                     await request.body(), settings, atomic=atomic,
+                                     batch=True)
     _count(report.results)
     dicts = [_result_dict(r) for r in report.results]
     if report.outcome is ingest_service.BatchOutcome.REJECTED:
@@ -236,7 +274,7 @@ async def ingest_batch(
     stored = [(d, r.log_index) for d, r in zip(dicts, report.results, strict=True)
               if r.stored and r.log_index is not None]
     if wait and stored:
-        got = await _receipts(request, session, [i for _d, i in stored], timeout)
+        got = await _receipts(request, [i for _d, i in stored], timeout)
         receipts: list[dict[str, Any] | None] = list(got) if got else [None] * len(stored)
         for (d, _i), receipt in zip(stored, receipts, strict=True):
             d["receipt"] = receipt

@@ -1,0 +1,94 @@
+"""Server CPU per ingest request: `ledger serve --workers 1`, CPU time of its process tree.
+
+Throughput on a shared machine moves with the other jobs; the CPU the server spends per
+request (user + system, all its threads) moves much less, so this is the figure to
+compare code changes by (issue 17: the ingest path is CPU-bound). Prints ms of server CPU
+per single-envelope POST and per batch item, and with ``--py-spy FILE`` records a
+py-spy profile (``--format raw``, collapsed stacks) of the single-envelope phase.
+
+    python benchmarks/ingest_cpu.py --single 600 --batch-items 2000 --clients 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import machine, scratch_database
+from benchmarks.ingest import _http_batch, _http_single, batch_bodies, make_envelopes, run_parallel
+
+
+def tree_cpu(pid: int) -> float:
+    """User + system seconds of ``pid`` and its children."""
+    root = psutil.Process(pid)
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--single", type=int, default=600, help="single-envelope POSTs")
+    ap.add_argument("--batch-items", type=int, default=2000, help="envelopes in batches")
+    ap.add_argument("--batch", type=int, default=100)
+    ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--py-spy", type=Path, help="record the single phase to this file")
+    args = ap.parse_args()
+
+    from ledger.core.keys import private_pem
+    from tests.conftest import provision
+    from tests.helpers import run_server
+
+    print(f"machine: {machine()}")
+    with scratch_database("bench_ingest_cpu") as url:
+        keys, producer = provision(url)
+        pem = private_pem(producer)
+        singles = make_envelopes(args.single + 50, pem)
+        batches = batch_bodies(make_envelopes(args.batch_items, pem), args.batch)
+        with run_server(url, workers=1) as server:
+            pid = server.process.pid
+            # warm up: imports, pools, caches
+            run_parallel(_http_single, [(server.base_url, keys["ingester"], singles[:50])])
+            spy = None
+            if args.py_spy:
+                spy = subprocess.Popen(
+                    ["/tmp/pyspy/bin/py-spy", "record", "--subprocesses", "--format", "raw",
+                     "--rate", "200", "--gil", "-o", str(args.py_spy), "--pid", str(pid)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                time.sleep(1.0)
+            c0 = tree_cpu(pid)
+            wall, _ = run_parallel(_http_single, [
+                (server.base_url, keys["ingester"], singles[50 + i::args.clients])
+                for i in range(args.clients)])
+            c1 = tree_cpu(pid)
+            if spy is not None:
+                spy.send_signal(2)
+                spy.wait(30)
+            n = args.single
+            print(f"single: {n} POSTs, {args.clients} clients, {n / wall:,.0f}/s, "
+                  f"server CPU {1000 * (c1 - c0) / n:.2f} ms per request")
+            if batches:
+                c0 = tree_cpu(pid)
+                wall, _ = run_parallel(_http_batch, [
+                    (server.base_url, keys["ingester"], batches[i::args.clients])
+                    for i in range(args.clients)])
+                c1 = tree_cpu(pid)
+                n = args.batch_items
+                print(f"batch: {n} envelopes in batches of {args.batch}, {n / wall:,.0f}/s, "
+                      f"server CPU {1000 * (c1 - c0) / n:.3f} ms per item")
+
+
+if __name__ == "__main__":
+    main()
