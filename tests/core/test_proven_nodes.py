@@ -114,3 +114,57 @@ def test_dsse_base64_accepts_what_validate_true_accepts(text: str) -> None:
     except FormatError:
         got = None
     assert got == want
+
+
+def _mangled() -> st.SearchStrategy[str]:
+    """Base64 of random bytes with characters replaced or inserted from an alphabet of
+    padding, other alphabets, whitespace and non-ASCII: the corners where decoders differ."""
+    alphabet = "ABCDabcd0123+/=-_ \n\u00e9\x00"
+    edits = st.lists(st.tuples(st.integers(0, 60), st.sampled_from(alphabet), st.booleans()),
+                     max_size=3)
+
+    def apply(raw: bytes, changes: list[tuple[int, str, bool]]) -> str:
+        s = list(base64.b64encode(raw).decode())
+        for at, ch, insert in changes:
+            if insert:
+                s.insert(at % (len(s) + 1), ch)
+            elif s:
+                s[at % len(s)] = ch
+        return "".join(s)
+
+    return st.builds(apply, st.binary(max_size=40), edits)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(text=st.one_of(_mangled(), st.just("qZjj===="), st.just("qZg====="),
+                      st.text(alphabet="ABCDabcd0123+/=-_ \n\u00e9", max_size=24)))
+def test_the_fast_base64_path_never_accepts_more_or_decodes_otherwise(text: str) -> None:
+    """pybase64, the fast path of ``dsse._b64``, accepts a subset of what binascii's
+    strict mode accepts and decodes it to the same bytes: so with binascii deciding every
+    refusal, what DSSE decoding accepts did not change."""
+    import pybase64
+
+    try:
+        fast: bytes | None = pybase64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        fast = None
+    try:
+        slow: bytes | None = binascii.a2b_base64(text.encode("ascii"), strict_mode=True)
+    except (binascii.Error, ValueError):
+        slow = None
+    if fast is not None:
+        assert fast == slow
+    if len(text) % 4 == 0:
+        try:
+            got: bytes | None = dsse._b64(text, "payload")
+        except FormatError:
+            got = None
+        assert got == slow
+
+
+def test_binascii_decides_what_the_fast_path_refuses() -> None:
+    import pybase64
+
+    with pytest.raises(binascii.Error):
+        pybase64.b64decode("qZjj====", validate=True)
+    assert dsse._b64("qZjj====", "payload") == base64.b64decode("qZjj====", validate=True)

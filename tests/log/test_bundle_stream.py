@@ -165,3 +165,46 @@ def test_a_bundle_whose_manifest_does_not_match_is_refused_the_same_way(
                      [other_lines[0], *other_lines[1:-1], lines[5]])
     assert set(refusals(replaced, bundle)) == {
         "the records are not those the manifest signs (digest mismatch)"}
+
+
+def test_chunks_in_shared_slots_and_pickled_chunks_agree(
+        bundle: Exported, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fork, chunks reach the workers through shared memory (``Slots``); a chunk too
+    large for a slot is pickled as before. Both give the same summary and the same
+    refusal, and each path is really taken."""
+    from ledger.core import bundle as bundle_module
+
+    placed: list[bool] = []
+    put = bundle_module.Slots.put
+
+    def counting_put(self: bundle_module.Slots, lines: list[tuple[int, bytes]]) -> object:
+        got = put(self, lines)
+        placed.append(got is not None)
+        return got
+
+    monkeypatch.setattr(bundle_module.Slots, "put", counting_put)
+    lines = bundle.bundle.read_bytes().split(b"\n")[:-1]
+    middle = 1 + 3 + N // 2
+    rec = orjson.loads(lines[middle])
+    rec["ref"] = rec["ref"] + "x"
+    tampered = write(bundle.tmp / "tampered-ref.jsonl",
+                     [*lines[:middle], orjson.dumps(rec), *lines[middle + 1:]])
+
+    def both() -> tuple[dict[str, object], str]:
+        summary = verify_file(bundle.bundle, trust=bundle.policy, processes=2, chunk=2,
+                              chunk_bytes=1 << 20)
+        with pytest.raises(BundleError) as info:
+            verify_file(tampered, trust=bundle.policy, processes=2, chunk=2,
+                        chunk_bytes=1 << 20)
+        return dataclasses.asdict(summary), info.value.message
+
+    via_slots = both()
+    assert placed and all(placed)
+    placed.clear()
+    monkeypatch.setattr(bundle_module, "SLOT_SLACK", 1 - (1 << 20))  # slots of 1 byte
+    pickled = both()
+    assert placed and not any(placed)
+    assert via_slots == pickled
+    assert via_slots[0]["records"] == RECORDS
+    assert via_slots[1].startswith(f"line {middle + 1} "), via_slots[1]
+    assert "the signed payload names" in via_slots[1], via_slots[1]
