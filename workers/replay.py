@@ -495,7 +495,8 @@ class ReplayWorker:
             source=f"replay job {job_id} ({params.get('requested_by', 'unknown')})",
             unverified=unverified,
             verification="trust policy" if self.trust is not None
-            else "INSECURE: keys from the database itself")
+            else "INSECURE: keys from the database itself",
+            tolerance=params.get("tolerance"))
         with session_scope(self.db) as session:
             job = session.get(ReplayJob, uuid.UUID(job_id), with_for_update=True)
             assert job is not None

@@ -282,8 +282,8 @@ def _lifespan(settings: Settings, engine: Engine
         from ledger.replay.alerts import DriftCollector
 
         app.state.metrics_listener = MetricsListener(
-            settings.metrics_host, settings.metrics_port, extra=DriftCollector(engine)).start() \
-            if settings.metrics_port else None
+            settings.metrics_host, settings.metrics_port,
+            extra=DriftCollector(engine, settings)).start() if settings.metrics_port else None
         try:
             yield
         finally:

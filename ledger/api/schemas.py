@@ -411,6 +411,9 @@ class RunReportOut(RunOut):
     semantic: list[dict[str, Any]] = Field(
         default_factory=list, description="vendor records: pass rates pooled per (vendor "
         "fingerprint, model alias) with Wilson intervals (docs/semantic.md)")
+    gate: dict[str, Any] | None = Field(
+        None, description="a fingerprint gate's decision: passed (None until complete), "
+        "decided_by (its signed matrix report), matrix_run, reason")
 
 
 class SemanticPassRatesOut(BaseModel):
@@ -438,6 +441,12 @@ class MatrixRunIn(BaseModel):
                                      pattern=r"^[a-z0-9:+]+$")]] = Field(
         default_factory=list, max_length=16,
         description="Cells to run (default: every axis)")
+    fingerprints: Literal["all"] | list[Annotated[str, Field(
+        pattern=FINGERPRINT_PATTERN)]] | None = Field(
+        None, max_length=16,
+        description='The fingerprint axis: the same records replayed by the workers of each '
+                    'of these runtimes ("all": every live one whose worker holds the model), '
+                    "one signed report per fingerprint")
 
 
 class MatrixRunOut(BaseModel):
@@ -454,4 +463,12 @@ class MatrixRunOut(BaseModel):
     finished_at: datetime | None
     report: dict[str, Any] | None
     signed: dict[str, Any] | None
+    parts: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="One per fingerprint (the first is the lead: report and signed above "
+                    "are its): state, the report its worker signed, what was checked")
+    by_fingerprint: list[dict[str, Any]] = Field(
+        default_factory=list, description="Each part's cells, one row per (fingerprint, cell)")
+    gate_run_id: str | None = Field(
+        None, description="The fingerprint gate (re-verification run) this run decides")
     links: dict[str, str] = Field(default_factory=dict)

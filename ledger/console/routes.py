@@ -423,6 +423,17 @@ def runs_page(request: Request, kind: Literal["", "policy", "gate"] = "",
 
 # --- replay matrix -----------------------------------------------------------------------------
 
+@router.get("/matrix-runs")
+def matrix_list_page(request: Request,
+                     user: sessions.ConsoleUser = Depends(signed_in("matrix:read")),
+                     session: Session = Depends(get_session)) -> Response:
+    """Matrix runs, newest first (requested ones and fingerprint gates), each linked to its
+    page, where its signed reports are checked before they are shown."""
+    from ledger.replay import matrix_runs
+
+    return page(request, "matrix_runs.html", user, runs=matrix_runs.list_matrix_runs(session))
+
+
 @router.get("/matrix-runs/{run_id}")
 def matrix_page(request: Request, run_id: UuidPath,
                 user: sessions.ConsoleUser = Depends(signed_in("matrix:read")),
@@ -430,7 +441,7 @@ def matrix_page(request: Request, run_id: UuidPath,
                 settings: Settings = Depends(get_settings_dep)) -> Response:
     """A matrix run and its report, checked against its signed leaf before it is shown."""
     from ledger.replay import matrix_runs
-    from ledger.replay.matrix import table_rows
+    from ledger.replay.matrix import fingerprint_rows, table_rows
 
     try:
         job_id = uuid.UUID(run_id)
@@ -442,8 +453,11 @@ def matrix_page(request: Request, run_id: UuidPath,
     histograms = [(c["cell"], charts.divergence_histogram(
         c["first_divergence_histogram"], what=f" ({c['cell']})")) for c in cells
         if c["first_divergence_histogram"]]
+    parts = [{**p, "rows": table_rows(p["report"]) if p["report"] else [[]]}
+             for p in run["parts"][1:]]
     return page(request, "matrix.html", user, run=run, share=charts.share_bars(cells),
-                rows=table_rows(rep) if rep else [[]], histograms=histograms)
+                rows=table_rows(rep) if rep else [[]], histograms=histograms, parts=parts,
+                fingerprint_rows=fingerprint_rows(run["parts"]))
 
 
 # --- export ------------------------------------------------------------------------------------

@@ -276,6 +276,13 @@ class ReplayJob(Base):
                         name="kind"),
         CheckConstraint(check_in("state", JobState), name="state"),
         Index("ix_replay_jobs_state_fingerprint_id", "state", "fingerprint_id"),
+        # 0017: one matrix run per Idempotency-Key (only a run's lead job carries it)
+        Index("ux_replay_jobs_matrix_idempotency", text("(params ->> 'idempotency_key')"),
+              unique=True, postgresql_where=text(
+                  "kind = 'matrix' AND (params ->> 'idempotency_key') IS NOT NULL")),
+        # 0017: a run's other parts (one matrix job per fingerprint) name their lead job
+        Index("ix_replay_jobs_matrix_run", text("(params ->> 'matrix_run')"),
+              postgresql_where=text("kind = 'matrix'")),
     )
 
 

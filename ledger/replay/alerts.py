@@ -22,7 +22,7 @@ import json
 import logging
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from sqlalchemy import Engine, select
@@ -33,6 +33,9 @@ from ledger.db.session import session_scope
 from ledger.replay import reverification
 from ledger.replay.records import Signer
 from ledger.settings import Settings
+
+if TYPE_CHECKING:
+    from ledger.replay.trusted import RecordChecker
 
 log = logging.getLogger("ledger.alerts")
 LOOKBACK = timedelta(days=1)
@@ -65,10 +68,13 @@ def _alert_for(run: ReverificationRun, report: dict[str, Any],
                      "diverged": report["diverged"][:20]}
 
 
-def record_due(engine: Engine, now: datetime | None = None) -> int:
+def record_due(engine: Engine, now: datetime | None = None,
+               settings: Settings | None = None) -> int:
     """Record an alert for every recent complete run that calls for one; returns how many
-    were new."""
+    were new. ``settings``: whose trust policy a gate's signed matrix report is checked
+    against."""
     now = now or datetime.now(UTC)
+    checker = _checker(settings)
     made = 0
     with session_scope(engine) as session:
         seen = set(session.scalars(select(Alert.ref)))
@@ -80,7 +86,8 @@ def record_due(engine: Engine, now: datetime | None = None) -> int:
             policy = session.get(ReverificationPolicy, run.policy_id) if run.policy_id else None
             if run.kind == "policy" and (policy is None or policy.drift_alert_threshold is None):
                 continue
-            found = _alert_for(run, reverification.report(session, str(run.id)), policy)
+            found = _alert_for(run, reverification.report(session, str(run.id), checker),
+                               policy)
             if found is None:
                 continue
             kind, body = found
@@ -143,7 +150,8 @@ def deliver_due(engine: Engine, settings: Settings, signer: Signer | None,
 def tick(engine: Engine, settings: Settings, signer: Signer | None) -> dict[str, int]:
     if not settings.webhook_url:
         return {}
-    return {"alerts": record_due(engine), "alerts_sent": deliver_due(engine, settings, signer)}
+    return {"alerts": record_due(engine, settings=settings),
+            "alerts_sent": deliver_due(engine, settings, signer)}
 
 
 class DriftCollector:
@@ -151,8 +159,9 @@ class DriftCollector:
     ``ledger_reverification_drift_rate{fingerprint_id, model_sha256}`` of the latest
     complete run, and ``ledger_gate_failures_total``, the gates that failed."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, settings: Settings | None = None) -> None:
         self.engine = engine
+        self.settings = settings
 
     def describe(self) -> list[Any]:
         return []  # collected lazily: no database access at registration
@@ -168,7 +177,7 @@ class DriftCollector:
                                        "Fingerprint gates whose golden sample did not all "
                                        "reproduce.")
         try:
-            rates, failed = drift_rates(self.engine)
+            rates, failed = drift_rates(self.engine, self.settings)
         except Exception as exc:  # noqa: BLE001 - a scrape must not fail on a DB blip
             log.warning("drift metrics unavailable: %s", exc)
             return
@@ -179,8 +188,16 @@ class DriftCollector:
         yield failures
 
 
-def drift_rates(engine: Engine) -> tuple[dict[tuple[str, str], float], int]:
+def _checker(settings: Settings | None) -> RecordChecker | None:
+    from ledger.replay.matrix_runs import checker_for
+
+    return None if settings is None else checker_for(settings)
+
+
+def drift_rates(engine: Engine, settings: Settings | None = None
+                ) -> tuple[dict[tuple[str, str], float], int]:
     """(fingerprint, model) -> drift rate of its latest complete run; failed gates."""
+    checker = _checker(settings)
     rates: dict[tuple[str, str], float] = {}
     failed = 0
     since = datetime.now(UTC) - METRICS_LOOKBACK
@@ -189,7 +206,7 @@ def drift_rates(engine: Engine) -> tuple[dict[tuple[str, str], float], int]:
             (ReverificationRun.created_at >= since) | (ReverificationRun.kind == "gate"))
             .order_by(ReverificationRun.created_at)))
         for run in runs:
-            report = reverification.report(session, str(run.id))
+            report = reverification.report(session, str(run.id), checker)
             if not report["complete"]:
                 continue
             if run.kind == "gate" and not report["gate"]["passed"]:

@@ -5,6 +5,11 @@ model it holds, a golden sample of that model's envelopes recorded under the nea
 earlier fingerprint (the most similar runtime; the most recent on ties) is replayed on the
 new runtime at the tolerance tier, and the run's report is the drift report. One gate per
 (new fingerprint, model), however many times the beat looks.
+
+The same golden records are also a *matrix run* over the new fingerprint (one cell,
+``alone``, at the gate's tolerance): the new runtime's worker signs its report, and the
+gate passes or fails by that signed report (``ledger.replay.matrix.gate_decision``), while
+the per-record verdicts stay the evidence each golden record's drift is read from.
 """
 
 from __future__ import annotations
@@ -19,7 +24,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from ledger.core.fingerprint import fingerprint_material
 from ledger.db.models import Envelope, Fingerprint, ReverificationRun, Worker
 from ledger.db.session import session_scope
-from ledger.replay import jobs
+from ledger.replay import jobs, matrix_runs
+from ledger.replay.matrix import GATE_CELL
 from ledger.replay.records import Signer
 from ledger.replay.reverification import JOB_BATCH
 from ledger.settings import Settings
@@ -98,6 +104,13 @@ def check_new_fingerprints(engine: Engine, settings: Settings,
                                            for r in sample[start:start + JOB_BATCH]],
                                     settings=settings, priority=2, tolerance=GATE_TOLERANCE,
                                     run_id=run_id)
+                # the decision: a matrix run over the new fingerprint on the same records,
+                # whose report the new runtime's worker signs
+                matrix_runs.request_matrix_run(
+                    session, settings, actor="beat (fingerprint gate)", model_sha256=digest,
+                    fingerprint_id=fp, records_fingerprint_id=best.fingerprint_id,
+                    sample=len(sample), seed=0, cells=[GATE_CELL], tolerance=GATE_TOLERANCE,
+                    run_id=run_id, indices=[(r.log_index, r.request_id) for r in sample])
                 made.append(run_id)
     return made
 

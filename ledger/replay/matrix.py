@@ -78,6 +78,7 @@ class Comparison:
     digests_identical: bool
     top_before: dict[str, Any] | None = None      # {"recorded": [[id, lp]...], "replayed": ...}
     top_at: dict[str, Any] | None = None
+    logprobs_compared: bool = False   # both sides had per-step logprobs (a tolerance needs them)
 
 
 def first_divergence(expected: Sequence[int], got: Sequence[int]) -> int | None:
@@ -119,7 +120,8 @@ def compare(request_id: str, recorded: Mapping[str, Any], replayed: Replayed) ->
         replayed_token=replayed.token_ids[k] if k is not None and k < len(replayed.token_ids)
         else None,
         max_abs_logprob_diff=max_abs, max_rel_logprob_diff=max_rel,
-        digests_identical=digests)
+        digests_identical=digests,
+        logprobs_compared=exp_lps is not None and replayed.logprobs is not None)
     if k is not None:
         comp.top_before = {"recorded": _top(exp_top, k - 1),
                            "replayed": _top(replayed.top_logprobs, k - 1)}
@@ -148,8 +150,10 @@ class CellResult:
     note: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, tolerance: float | None = None) -> dict[str, Any]:
         n = len(self.comparisons)
+        within = {} if tolerance is None else {"within_tolerance": sum(
+            within_tolerance(c, tolerance) for c in self.comparisons)}
         firsts = [c.first_divergence for c in self.comparisons if c.first_divergence is not None]
         return {
             "cell": self.name, "axes": self.axes, "records": n,
@@ -168,30 +172,100 @@ class CellResult:
             "p95_latency_s": percentile(self.latencies_s, 95),
             "peak_memory_bytes": self.peak_memory_bytes,
             "note": self.note,
+            **within,
             **self.extra,
         }
+
+
+def within_tolerance(c: Comparison, tolerance: float) -> bool:
+    """The fingerprint gate's test for one replay (``ledger.core.compare`` at the tolerance
+    tier): the same tokens, or every logprob before the divergence within ``tolerance``."""
+    return c.tokens_identical or (c.logprobs_compared and c.max_abs_logprob_diff <= tolerance)
 
 
 def report(cells: Sequence[CellResult], *, runtime: Mapping[str, Any],
            records: Sequence[str], source: str,
            unverified: Sequence[Mapping[str, Any]] = (),
-           verification: str | None = None) -> dict[str, Any]:
+           verification: str | None = None,
+           tolerance: float | None = None) -> dict[str, Any]:
     """The JSON report of a matrix run. ``records``: the request IDs replayed (each
     checked first); ``unverified``: those that failed a check (``request_id``,
-    ``log_index``, ``reason``), not replayed; ``verification``: what the checks believed."""
+    ``log_index``, ``reason``), not replayed; ``verification``: what the checks believed;
+    ``tolerance`` (a fingerprint gate's): each cell also counts the replays within it."""
     return {
+        **({} if tolerance is None else {"tolerance": tolerance}),
         "_type": REPORT_TYPE,
         "source": source,
         "verification": verification,
         "records": list(records),
         "unverified": [dict(u) for u in unverified],
         "runtime": dict(runtime),
-        "cells": [cell.summary() for cell in cells],
+        "cells": [cell.summary(tolerance) for cell in cells],
         "divergences": {
             cell.name: [vars(c) for c in cell.comparisons if not c.tokens_identical]
             for cell in cells
         },
     }
+
+
+GATE_CELL = "alone"
+
+
+def gate_decision(rep: Mapping[str, Any], *, tolerance: float, expected_records: int
+                  ) -> tuple[bool, str]:
+    """A fingerprint gate's pass/fail from its (signed, checked) matrix report: the report
+    states the gate's tolerance, every golden record passed its checks and was replayed in
+    the ``alone`` cell, and each replay was within the tolerance. (passed, why)."""
+    if rep.get("tolerance") != tolerance:
+        return False, f"the report states tolerance {rep.get('tolerance')}, not {tolerance}"
+    if rep.get("unverified"):
+        return False, f"{len(rep['unverified'])} golden records failed their checks"
+    cell = next((c for c in rep.get("cells", []) if c.get("cell") == GATE_CELL), None)
+    if cell is None:
+        return False, f"the report has no {GATE_CELL!r} cell"
+    if cell.get("records") != expected_records:
+        return False, f"{cell.get('records')} of {expected_records} golden records replayed"
+    within = int(cell.get("within_tolerance") or 0)
+    if within != expected_records:
+        return False, (f"{expected_records - within} of {expected_records} golden records "
+                       f"diverged beyond |dlogprob| {tolerance}")
+    return True, (f"all {expected_records} golden records within |dlogprob| {tolerance} "
+                  f"({cell.get('token_identical')} token-identical)")
+
+
+def fingerprint_rows(parts: Sequence[Mapping[str, Any]]) -> list[list[str]]:
+    """Header plus one row per (fingerprint, cell) over a run's parts (``fingerprint_id``
+    and a checked ``report`` each, or ``report`` None while that part runs): the
+    fingerprint axis of a matrix run, each part signed by the worker that ran it."""
+    rows = [["fingerprint", "runtime", "cell", "token-identical", "bitwise",
+             "first divergence (pos: n)", "max |dlogprob|"]]
+    for part in parts:
+        rep = part.get("report")
+        if rep is None:
+            rows.append([str(part["fingerprint_id"]), "-", "-", f"({part.get('state')})",
+                         "-", "-", "-"])
+            continue
+        for c in rep["cells"]:
+            hist = ", ".join(f"{k}: {v}" for k, v in c["first_divergence_histogram"].items())
+            rows.append([str(part["fingerprint_id"]), _runtime_plain(rep["runtime"]),
+                         c["cell"], f"{c['token_identical']}/{c['records']}",
+                         f"{c['bitwise']}/{c['records']}", hist or "-",
+                         f"{c['max_abs_logprob_diff']:.3g}"])
+    return rows
+
+
+def _runtime_plain(runtime: Mapping[str, Any]) -> str:
+    """The fingerprint axes a worker states (engine and version, dtype, attention
+    backend, TP size where it has them, batch invariance)."""
+    parts = [f"{runtime.get('engine')} {runtime.get('engine_version')}",
+             str(runtime.get("dtype"))]
+    if runtime.get("attention_backend"):
+        parts.append(f"attn {runtime['attention_backend']}")
+    if runtime.get("tensor_parallel_size") not in (None, 1):
+        parts.append(f"TP {runtime['tensor_parallel_size']}")
+    if runtime.get("batch_invariant") is False:
+        parts.append("not batch-invariant")
+    return ", ".join(parts)
 
 
 def table_rows(rep: Mapping[str, Any]) -> list[list[str]]:

@@ -24,16 +24,18 @@ from typing import Any
 
 import orjson
 from sqlalchemy import func, select, text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ledger.core import dsse
-from ledger.core.canonical import sha256_hex
+from ledger.core.canonical import canonical_json, sha256_hex
 from ledger.core.envelope import EnvelopeStatement, Limits, parse_statement
 from ledger.core.errors import KeyError_, LedgerError
 from ledger.core.logentry import dsse_digest, log_entry_bytes, verify_record_included
 from ledger.core.note import open_checkpoint
 from ledger.core.statements import matrix_report_bytes, matrix_run_statement
-from ledger.db.models import Fingerprint, MatrixRun, ReplayJob, ReplayJobItem
+from ledger.core.states import JOB_FINISHED
+from ledger.db.models import Fingerprint, MatrixRun, ReplayJob, ReplayJobItem, Worker
 from ledger.db.session import raw_cursor
 from ledger.errors import BadRequest, Conflict, NotFound
 from ledger.log import proofs
@@ -199,73 +201,213 @@ MAX_CELLS = 16
 
 @dataclass
 class Requested:
-    job: ReplayJob
+    job: ReplayJob                 # the run's lead job: its ID is the run's
     created: bool
+    parts: list[ReplayJob] = field(default_factory=list)   # every job of a new run
+
+
+#: ``fingerprints: "all"``: every live fingerprint whose worker holds the model
+ALL_FINGERPRINTS = "all"
+
+
+def _request_digest(**fields: Any) -> str:
+    """What an Idempotency-Key stands for: a retry must ask for the same run."""
+    return sha256_hex(canonical_json(fields))
+
+
+def _existing_run(session: Session, idempotency_key: str, digest: str) -> Requested | None:
+    existing = session.scalar(select(ReplayJob).where(
+        ReplayJob.kind == "matrix",
+        ReplayJob.params["idempotency_key"].astext == idempotency_key))
+    if existing is None:
+        return None
+    if (existing.params or {}).get("request_sha256") != digest:
+        raise Conflict("this Idempotency-Key was used for another matrix run request",
+                       code="idempotency_key_reused")
+    return Requested(existing, False)
+
+
+def _live_holding(session: Session, settings: Settings, model_sha256: str) -> list[str]:
+    """Live fingerprints with a worker that holds the model (a job routed to one without
+    it would only fail)."""
+    live = live_fingerprints(session, settings)
+    out = []
+    for fp, worker_ids in sorted(live.items()):
+        models = session.scalars(select(Worker.models).where(
+            Worker.worker_id.in_(worker_ids))).all()
+        if any(m.get("model_sha256") == model_sha256 for ms in models for m in ms):
+            out.append(fp)
+    return out
 
 
 def request_matrix_run(session: Session, settings: Settings, *, actor: str,
                        model_sha256: str, fingerprint_id: str | None,
                        records_fingerprint_id: str | None, sample: int, seed: int,
-                       cells: Sequence[str], idempotency_key: str | None = None) -> Requested:
-    """A matrix job: ``sample`` records of the model (recorded on
-    ``records_fingerprint_id``, or on any runtime) routed to the workers of
-    ``fingerprint_id`` (default: the runtime most of the sample was recorded on). A retry
-    with the same Idempotency-Key returns the first job. The caller commits, then
-    publishes the job."""
-    if idempotency_key:
-        existing = session.scalar(select(ReplayJob).where(
-            ReplayJob.kind == "matrix",
-            ReplayJob.params["idempotency_key"].astext == idempotency_key))
-        if existing is not None:
-            return Requested(existing, False)
+                       cells: Sequence[str], idempotency_key: str | None = None,
+                       fingerprints: Sequence[str] | str | None = None,
+                       tolerance: float | None = None,
+                       run_id: uuid.UUID | None = None,
+                       indices: Sequence[tuple[int, str]] | None = None) -> Requested:
+    """A matrix run: ``sample`` records of the model (recorded on
+    ``records_fingerprint_id``, or on any runtime), replayed under each cell by the
+    workers of ``fingerprint_id`` (default: the runtime most of the sample was recorded
+    on), or, with ``fingerprints`` (``"all"``: every live fingerprint whose worker holds
+    the model; or a list), by one matrix job per fingerprint over the same records: the
+    fingerprint axis. A retry with the same Idempotency-Key returns the first run (409 for
+    another request); the key is unique in the database, so concurrent first requests make
+    one run. ``tolerance``/``run_id``/``indices``: a fingerprint gate's (its golden
+    sample; the reports count replays within the tolerance). The caller commits, then
+    publishes ``parts``."""
+    if fingerprints is not None and fingerprint_id is not None:
+        raise BadRequest("give fingerprint_id or fingerprints, not both",
+                         code="bad_fingerprints")
+    digest = _request_digest(model_sha256=model_sha256, fingerprint_id=fingerprint_id,
+                             fingerprints=fingerprints if isinstance(fingerprints, str)
+                             else (None if fingerprints is None else sorted(fingerprints)),
+                             records_fingerprint_id=records_fingerprint_id, sample=sample,
+                             seed=seed, cells=list(cells))
+    if idempotency_key and (found := _existing_run(session, idempotency_key, digest)):
+        return found
     for spec in cells:
         try:
             parse_cell(spec)
         except ValueError as exc:
             raise BadRequest(str(exc), code="bad_cell") from None
-    indices = sample_indices(session, model_sha256=model_sha256, sample=sample, seed=seed,
-                             fingerprint_id=records_fingerprint_id)
+    if indices is None:
+        indices = sample_indices(session, model_sha256=model_sha256, sample=sample,
+                                 seed=seed, fingerprint_id=records_fingerprint_id)
     if not indices:
         raise NotFound(f"no deterministic record of model {model_sha256}"
                        + (f" on fingerprint {records_fingerprint_id}"
                           if records_fingerprint_id else ""))
-    if fingerprint_id is None:
-        fingerprint_id = session.execute(text(
+    if fingerprints == ALL_FINGERPRINTS:
+        targets = _live_holding(session, settings, model_sha256)
+        if not targets:
+            raise NotFound(f"no live worker holds model {model_sha256}: start one "
+                           "(`ledger worker --models DIR`) or name the fingerprints")
+    elif isinstance(fingerprints, str):
+        raise BadRequest(f"fingerprints is {ALL_FINGERPRINTS!r} or a list of fingerprint "
+                         "IDs", code="bad_fingerprints")
+    elif fingerprints is not None:
+        targets = list(dict.fromkeys(fingerprints))
+    elif fingerprint_id is not None:
+        targets = [fingerprint_id]
+    else:
+        targets = [session.execute(text(
             "SELECT fingerprint_id FROM envelopes WHERE log_index = ANY(:ix) "
             "GROUP BY fingerprint_id ORDER BY count(*) DESC, fingerprint_id LIMIT 1"),
-            {"ix": [i for i, _ in indices]}).scalar_one()
-    elif session.get(Fingerprint, fingerprint_id) is None and fingerprint_id not in \
-            live_fingerprints(session, settings):
-        raise NotFound(f"no worker or record has fingerprint {fingerprint_id}")
-    params = {"cells": list(cells) or list(DEFAULT_CELLS), "sample": sample, "seed": seed,
-              "model_sha256": model_sha256, "records_fingerprint_id": records_fingerprint_id,
-              "requested_by": actor, "idempotency_key": idempotency_key}
-    job = create_job(session, fingerprint_id=fingerprint_id, kind="matrix",
-                     items=[(i, rid, None) for i, rid in indices], settings=settings,
-                     params=params)
-    return Requested(job, True)
+            {"ix": [i for i, _ in indices]}).scalar_one()]
+    if fingerprints is not None or fingerprint_id is not None:
+        live = live_fingerprints(session, settings)
+        for fp in targets:
+            if session.get(Fingerprint, fp) is None and fp not in live:
+                raise NotFound(f"no worker or record has fingerprint {fp}")
+    params: dict[str, Any] = {
+        "cells": list(cells) or list(DEFAULT_CELLS), "sample": sample, "seed": seed,
+        "model_sha256": model_sha256, "records_fingerprint_id": records_fingerprint_id,
+        "requested_by": actor, "fingerprints": targets, "request_sha256": digest}
+    if tolerance is not None:
+        params["tolerance"] = tolerance
+    items = [(i, rid, None) for i, rid in indices]
+    try:
+        with session.begin_nested():      # the lead job holds the key: unique in the DB
+            lead = create_job(session, fingerprint_id=targets[0], kind="matrix", items=items,
+                              settings=settings, params={**params,
+                                                         "idempotency_key": idempotency_key},
+                              tolerance=tolerance, run_id=run_id)
+    except IntegrityError:
+        if not idempotency_key:
+            raise
+        session.expire_all()   # a concurrent first request with this key won the race
+        found = _existing_run(session, idempotency_key, digest)
+        if found is None:
+            raise
+        return found
+    parts = [lead] + [create_job(session, fingerprint_id=fp, kind="matrix", items=items,
+                                 settings=settings, tolerance=tolerance, run_id=run_id,
+                                 params={**params, "matrix_run": str(lead.id)})
+                      for fp in targets[1:]]
+    return Requested(lead, True, parts)
 
 
-def matrix_run_state(session: Session, job_id: uuid.UUID, checker: RecordChecker
-                     ) -> dict[str, Any]:
-    """A matrix job's state and, once its worker has signed it, the report (checked
-    against its leaf first: :func:`checked_report`)."""
-    job = session.get(ReplayJob, job_id)
-    if job is None or job.kind != "matrix":
-        raise NotFound(f"no matrix run {job_id}")
-    out: dict[str, Any] = {
-        "id": str(job.id), "state": job.state, "state_reason": job.state_reason,
-        "fingerprint_id": job.fingerprint_id, "params": dict(job.params or {}),
-        "records": session.scalar(select(func.count()).select_from(ReplayJobItem).where(
-            ReplayJobItem.job_id == job.id)),
-        "created_at": job.created_at, "finished_at": job.finished_at,
-        "report": None, "signed": None}
-    out["params"].pop("idempotency_key", None)
+def run_parts(session: Session, lead: ReplayJob) -> list[ReplayJob]:
+    """A matrix run's jobs, the lead first, then by fingerprint."""
+    others = session.scalars(select(ReplayJob).where(
+        ReplayJob.kind == "matrix",
+        ReplayJob.params["matrix_run"].astext == str(lead.id))
+        .order_by(ReplayJob.fingerprint_id)).all()
+    return [lead, *others]
+
+
+def _part_state(session: Session, job: ReplayJob, checker: RecordChecker) -> dict[str, Any]:
+    out: dict[str, Any] = {"job_id": str(job.id), "fingerprint_id": job.fingerprint_id,
+                           "state": job.state, "state_reason": job.state_reason,
+                           "finished_at": job.finished_at, "report": None, "signed": None}
     row = session.scalar(select(MatrixRun).where(MatrixRun.job_id == job.id))
     if row is not None:
         report, checked = checked_report(session, row, checker)
         out["report"] = orjson.loads(report)
         out["signed"] = {**checked, "run_id": row.run_id, "worker_id": row.worker_id}
+    return out
+
+
+def lead_job(session: Session, run_id: uuid.UUID) -> ReplayJob:
+    job = session.get(ReplayJob, run_id)
+    if job is None or job.kind != "matrix" or (job.params or {}).get("matrix_run"):
+        raise NotFound(f"no matrix run {run_id}")
+    return job
+
+
+def matrix_run_state(session: Session, job_id: uuid.UUID, checker: RecordChecker
+                     ) -> dict[str, Any]:
+    """A matrix run's state and, part by part (one per fingerprint), each report its
+    worker signed, checked against its leaf first (:func:`checked_report`). ``report``,
+    ``signed``, ``fingerprint_id`` are the lead part's; ``state`` is the parts' common
+    state, or ``running`` while some run, or ``partial`` when they ended differently."""
+    job = lead_job(session, job_id)
+    parts = [_part_state(session, j, checker) for j in run_parts(session, job)]
+    states = {p["state"] for p in parts}
+    state = (states.pop() if len(states) == 1
+             else "running" if states - JOB_FINISHED else "partial")
+    out: dict[str, Any] = {
+        "id": str(job.id), "state": state, "state_reason": job.state_reason,
+        "fingerprint_id": job.fingerprint_id, "params": dict(job.params or {}),
+        "records": session.scalar(select(func.count()).select_from(ReplayJobItem).where(
+            ReplayJobItem.job_id == job.id)),
+        "created_at": job.created_at,
+        "finished_at": max((p["finished_at"] for p in parts if p["finished_at"]),
+                           default=None)
+        if all(p["state"] in JOB_FINISHED for p in parts) else None,
+        "report": parts[0]["report"], "signed": parts[0]["signed"], "parts": parts,
+        # the fingerprint axis: a cell per fingerprint, each from a checked, signed part
+        "by_fingerprint": [
+            {"fingerprint_id": p["fingerprint_id"], "worker_id": p["signed"]["worker_id"],
+             "cell": c["cell"], "records": c["records"],
+             "token_identical": c["token_identical"], "bitwise": c["bitwise"],
+             "max_abs_logprob_diff": c["max_abs_logprob_diff"],
+             "first_divergence_histogram": c["first_divergence_histogram"]}
+            for p in parts if p["report"] is not None for c in p["report"]["cells"]],
+        "gate_run_id": str(job.run_id) if job.run_id else None}
+    for hidden in ("idempotency_key", "request_sha256"):
+        out["params"].pop(hidden, None)
+    return out
+
+
+def list_matrix_runs(session: Session, *, limit: int = 100) -> list[dict[str, Any]]:
+    """Matrix runs (lead jobs), newest first, with their parts' states (no report)."""
+    leads = session.scalars(select(ReplayJob).where(
+        ReplayJob.kind == "matrix", ReplayJob.params["matrix_run"].astext.is_(None))
+        .order_by(ReplayJob.created_at.desc(), ReplayJob.id).limit(limit)).all()
+    out = []
+    for job in leads:
+        parts = run_parts(session, job)
+        params = job.params or {}
+        out.append({"id": str(job.id), "created_at": job.created_at,
+                    "model_sha256": params.get("model_sha256"),
+                    "cells": params.get("cells") or [],
+                    "requested_by": params.get("requested_by"),
+                    "gate_run_id": str(job.run_id) if job.run_id else None,
+                    "parts": [(p.fingerprint_id, p.state) for p in parts]})
     return out
 
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 import uuid
 from collections import Counter, defaultdict
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import orjson
 from sqlalchemy import Engine, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
@@ -26,6 +27,7 @@ from sqlalchemy.orm import Session
 from ledger.core.states import JOB_FINISHED, VerdictOutcome
 from ledger.db.models import (
     Envelope,
+    MatrixRun,
     ReplayJob,
     ReverificationPolicy,
     ReverificationRun,
@@ -37,6 +39,9 @@ from ledger.replay import jobs
 from ledger.replay.records import Signer
 from ledger.replay.semantic import semantic_groups
 from ledger.settings import Settings
+
+if TYPE_CHECKING:
+    from ledger.replay.trusted import RecordChecker
 
 JOB_BATCH = 32          # envelopes per replay job
 MAX_WINDOWS_PER_TICK = 20
@@ -150,7 +155,10 @@ def run_due(engine: Engine, settings: Settings, signer: Signer | None,
     return made
 
 
-def report(session: Session, run_id: str) -> dict[str, Any]:
+def report(session: Session, run_id: str, checker: RecordChecker | None = None
+           ) -> dict[str, Any]:
+    """A run's report; ``checker``: what a gate's signed matrix report is checked against
+    (default: ``LEDGER_TRUST_POLICY_FILE``'s keys, else the database's)."""
     try:
         rid = uuid.UUID(run_id)
     except ValueError as exc:
@@ -202,8 +210,44 @@ def report(session: Session, run_id: str) -> dict[str, Any]:
     if run.kind == "gate":
         out["gate"] = {"new_fingerprint": run.details.get("new_fingerprint"),
                        "baseline_fingerprint": run.details.get("baseline_fingerprint"),
-                       "passed": gate_passed(out) if complete else None}
+                       **_gate_decision(session, run, out, complete, checker)}
     return out
+
+
+def _gate_decision(session: Session, run: ReverificationRun, out: dict[str, Any],
+                   complete: bool, checker: RecordChecker | None) -> dict[str, Any]:
+    """A gate's pass/fail from the signed report of its matrix run over the new
+    fingerprint (checked against its leaf first); a gate claimed before gates were matrix
+    runs is decided by its verdicts, as it was."""
+    from ledger.replay import matrix_runs
+    from ledger.replay.matrix import gate_decision
+    from ledger.settings import get_settings
+
+    lead = session.scalar(select(ReplayJob).where(
+        ReplayJob.run_id == run.id, ReplayJob.kind == "matrix").order_by(ReplayJob.created_at))
+    if lead is None:
+        return {"passed": gate_passed(out) if complete else None, "decided_by": "verdicts",
+                "matrix_run": None, "reason": None}
+    decided: dict[str, Any] = {"decided_by": "signed matrix report",
+                               "matrix_run": str(lead.id), "passed": None, "reason": None}
+    if not complete:
+        return decided
+    row = session.scalar(select(MatrixRun).where(MatrixRun.job_id == lead.id))
+    if row is None:
+        decided.update(passed=False, reason=f"the matrix run ended {lead.state} without a "
+                                            f"signed report: {lead.state_reason or ''}")
+        return decided
+    try:
+        report_bytes, _ = matrix_runs.checked_report(
+            session, row, checker or matrix_runs.checker_for(get_settings()))
+    except matrix_runs.StoredReportMismatch as exc:
+        decided.update(passed=False, reason=exc.message)
+        return decided
+    passed, reason = gate_decision(
+        orjson.loads(report_bytes), tolerance=float(run.details.get("tolerance") or 0.0),
+        expected_records=run.sampled)
+    decided.update(passed=passed, reason=reason)
+    return decided
 
 
 def comparison_summary(details: list[dict[str, Any]]) -> dict[str, Any]:

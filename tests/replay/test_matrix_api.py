@@ -100,3 +100,120 @@ def test_matrix_run_over_the_api_on_a_celery_worker(stack: Stack, tiny_engine: A
     with stack.client("reviewer") as c:
         assert c.get(f"/v1/matrix-runs/{run['id']}").status_code == 200
     assert time.monotonic() - t0 < 10
+
+
+def test_idempotency_key_and_the_fingerprint_axis_over_two_workers(
+        stack: Stack, tiny_engine: Any) -> None:
+    """One run per Idempotency-Key even for concurrent first requests (a unique index),
+    409 for the key reused with another body; ``"fingerprints": "all"`` fans the same
+    records out to one matrix job per live fingerprint (fp32 and bf16 workers, each a real
+    Celery process), and the run combines the reports each worker signed."""
+    import threading
+
+    import psycopg
+
+    from workers.engine.reference import TINY_DEMO_DIR
+
+    recs = record(tiny_engine, stack.producer, 4, seed=31, prefix="mxfp")
+    ingest(stack, [r.envelope for r in recs])
+    digest = model_sha256(TINY_DEMO_DIR)
+    body = {"model_sha256": digest, "sample": 4, "cells": ["alone", "batch:4"]}
+    barrier = threading.Barrier(6)
+    answers: list[httpx.Response] = []
+
+    def post() -> None:
+        with stack.client("reviewer") as c:
+            barrier.wait()
+            answers.append(c.post("/v1/matrix-runs", json=body,
+                                  headers={"Idempotency-Key": "mx-race"}))
+
+    threads = [threading.Thread(target=post) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.status_code for r in answers) == [200] * 5 + [202], \
+        [(r.status_code, r.text[:200]) for r in answers]
+    assert len({r.json()["id"] for r in answers}) == 1
+    with psycopg.connect(stack.db_url.replace("+psycopg", "")) as conn:
+        (n,) = conn.execute("SELECT count(*) FROM replay_jobs WHERE kind = 'matrix'"
+                            ).fetchone()
+    assert n == 1
+    with stack.client("reviewer") as c:
+        reused = c.post("/v1/matrix-runs", json={**body, "sample": 3},
+                        headers={"Idempotency-Key": "mx-race"})
+        assert reused.status_code == 409, reused.text
+        assert reused.headers["content-type"].startswith("application/problem+json")
+        assert reused.json()["code"] == "idempotency_key_reused"
+        axis = {**body, "fingerprints": "all"}
+        assert c.post("/v1/matrix-runs", json=axis).status_code == 404   # no live worker
+        for bad, status in (({**axis, "fingerprints": "some"}, 422),
+                            ({**axis, "fingerprint_id": "fp-" + "f" * 16}, 400)):
+            r = c.post("/v1/matrix-runs", json=bad)
+            assert r.status_code == status, (bad, r.text)
+    stack.worker("worker-a.pem")
+    stack.worker("worker-b.pem", dtype="bfloat16")
+
+    def live_fingerprints() -> set[str]:
+        with stack.client("reviewer") as c:
+            return {w["fingerprint_id"] for w in c.get("/v1/workers").json() if w["live"]}
+
+    stack.wait_for(lambda: len(live_fingerprints()) >= 2, 120, "both workers to register")
+    with stack.client("reviewer") as c:
+        first = c.post("/v1/matrix-runs", json=axis, headers={"Idempotency-Key": "mx-axis"})
+    assert first.status_code == 202, first.text
+    run = first.json()
+    assert len(run["parts"]) == 2 and len({p["fingerprint_id"] for p in run["parts"]}) == 2
+
+    def done() -> dict[str, Any] | None:
+        with stack.client("auditor") as c:
+            got = c.get(f"/v1/matrix-runs/{run['id']}").json()
+        return got if all(p["report"] is not None and p["signed"]["checkpoint"]
+                          for p in got["parts"]) else None
+
+    got = stack.wait_for(done, 300, "both fingerprints' signed reports")
+    assert got["state"] == "done"
+    by_dtype = {p["report"]["runtime"]["dtype"]: p for p in got["parts"]}
+    assert set(by_dtype) == {"float32", "bfloat16"}
+    fp32, bf16 = by_dtype["float32"], by_dtype["bfloat16"]
+    for part in (fp32, bf16):   # the same records on each fingerprint
+        assert set(part["report"]["records"]) == {r.request_id for r in recs}
+    # each part is signed by the worker that ran it: two workers, two keys
+    assert fp32["signed"]["worker_id"] != bf16["signed"]["worker_id"]
+    assert fp32["signed"]["signed_by"] != bf16["signed"]["signed_by"]
+    rows = {(r["fingerprint_id"], r["cell"]): r for r in got["by_fingerprint"]}
+    assert len(rows) == 4
+    for cell in ("alone", "batch:4"):
+        assert rows[(fp32["fingerprint_id"], cell)]["bitwise"] == 4      # recorded on fp32
+        assert rows[(bf16["fingerprint_id"], cell)]["bitwise"] == 0      # bf16 numerics
+        assert rows[(bf16["fingerprint_id"], cell)]["max_abs_logprob_diff"] > 0
+    c = _console(stack, "reviewer")
+    try:
+        listing = c.get("/console/matrix-runs")
+        assert listing.status_code == 200, listing.text
+        assert 'href="/console/matrix-runs"' in listing.text          # the nav link
+        assert f'href="/console/matrix-runs/{run["id"]}"' in listing.text
+        page = c.get(f"/console/matrix-runs/{run['id']}")
+        assert page.status_code == 200 and "Across fingerprints" in page.text
+        assert fp32["fingerprint_id"] in page.text and bf16["fingerprint_id"] in page.text
+        assert "bfloat16" in page.text
+    finally:
+        c.close()
+    # the beat's gate for the new bf16 fingerprint is a matrix run on that worker, and the
+    # gate is decided by the report it signed (the beat's and the worker's own logins)
+    with stack.client("admin") as admin:
+        [claimed] = admin.get("/v1/reverification-runs", params={"kind": "gate"}
+                              ).json()["items"]
+
+        def gate_done() -> dict[str, Any] | None:
+            got = admin.get(f"/v1/reverification-runs/{claimed['id']}").json()
+            return got if got["complete"] else None
+
+        decided = stack.wait_for(gate_done, 240, "the gate's runs")["gate"]
+    assert decided["new_fingerprint"] == bf16["fingerprint_id"]
+    assert decided["decided_by"] == "signed matrix report", decided
+    assert isinstance(decided["passed"], bool) and decided["reason"]
+    with stack.client("auditor") as c:
+        gate_run = c.get(f"/v1/matrix-runs/{decided['matrix_run']}").json()
+    assert gate_run["gate_run_id"] == claimed["id"] and gate_run["report"]["tolerance"]
+    assert gate_run["signed"]["worker_id"] == bf16["signed"]["worker_id"]

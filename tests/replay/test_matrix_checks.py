@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 
 from ledger.cli.main import app
 from ledger.core.envelope import output_digest
+from ledger.db.models import ReplayJobItem
 from ledger.db.session import session_scope
 from ledger.producer import sign_statement
 from ledger.services import ingest
@@ -141,3 +142,72 @@ def test_signed_report_is_a_leaf_that_audit_and_verify_accept_and_edits_are_caug
     assert any("report_sha256" in p and run_id in p for p in report.problems), report.problems
     with session_scope(stack.db) as s, pytest.raises(StoredReportMismatch):
         checked_report(s, s.scalars(select(MatrixRun)).one(), checker)
+
+
+def test_the_fingerprint_gate_is_decided_by_its_signed_matrix_report(
+        stack: Stack, tiny_engine: Any) -> None:
+    """The gate claims a matrix run over the new fingerprint on its golden records; the
+    new runtime's worker signs the report, and the gate's pass/fail is read from it (the
+    same decision as the verdicts', which stay the per-record evidence); an insider who
+    edits the stored report makes the gate fail, not pass."""
+    from ledger.db.models import MatrixRun, ReplayJob
+    from ledger.log.integrator import integrate_all
+    from ledger.replay import gate, reverification
+    from ledger.replay.matrix_runs import matrix_run_state
+    from ledger.replay.trusted import RecordChecker
+    from workers.replay import ReplayWorker
+
+    recs = record(tiny_engine, stack.producer, 5, seed=41, prefix="gmx")
+    ingest_all(stack, [r.envelope for r in recs])
+    bf16 = ReplayWorker(stack.settings, stack.db, models=["tiny-demo"], dtype="bfloat16",
+                        signer=stack.worker_signer, trust=stack.trust)
+    bf16.register()
+    [run_id] = gate.check_new_fingerprints(stack.db, stack.settings, stack.service)
+    with session_scope(stack.db) as s:
+        jobs = list(s.scalars(select(ReplayJob).where(ReplayJob.run_id == run_id)))
+        [matrix] = [j for j in jobs if j.kind == "matrix"]
+        assert {j.kind for j in jobs} == {"gate", "matrix"}
+        assert matrix.fingerprint_id == bf16.fingerprint_id
+        assert matrix.params["cells"] == ["alone"]
+        assert matrix.params["tolerance"] == gate.GATE_TOLERANCE
+        gate_items = sorted(s.scalars(select(ReplayJobItem.request_id).join(
+            ReplayJob, ReplayJob.id == ReplayJobItem.job_id).where(
+            ReplayJob.run_id == run_id, ReplayJob.kind == "gate")))
+        matrix_items = sorted(s.scalars(select(ReplayJobItem.request_id).where(
+            ReplayJobItem.job_id == matrix.id)))
+        assert gate_items == matrix_items and len(matrix_items) == 5   # the same records
+        ids = [str(j.id) for j in jobs]
+        matrix_id = matrix.id
+    checker = RecordChecker(stack.settings.log_name, stack.trust)
+    with session_scope(stack.db) as s:   # not complete: undecided
+        assert reverification.report(s, str(run_id), checker)["gate"]["passed"] is None
+    for jid in ids:
+        assert bf16.run_job(jid) == "done"
+    integrate_all(stack.db, stack.log_signer)
+    with session_scope(stack.db) as s:
+        rep = reverification.report(s, str(run_id), checker)
+        state = matrix_run_state(s, matrix_id, checker)
+    decision = rep["gate"]
+    assert rep["complete"] and decision["decided_by"] == "signed matrix report"
+    assert decision["matrix_run"] == str(matrix_id) and decision["reason"]
+    assert decision["passed"] is reverification.gate_passed(rep), (decision, rep["counts"])
+    signed = state["report"]
+    assert state["signed"]["checkpoint"] is not None and signed["tolerance"] == 1e-2
+    [cell] = signed["cells"]
+    assert cell["records"] == 5
+    assert (cell["within_tolerance"] == 5) is decision["passed"]
+    assert state["gate_run_id"] == str(run_id)
+    # the insider raises the within-tolerance count of a failing gate (or lowers a passing
+    # one's): the stored report no longer matches its signed leaf, and the gate fails
+    with session_scope(stack.db) as s:
+        raw = bytes(s.scalars(select(MatrixRun.report).where(
+            MatrixRun.job_id == matrix_id)).one())
+    edited = raw.replace(f'"within_tolerance":{cell["within_tolerance"]}'.encode(),
+                         f'"within_tolerance":{4 if cell["within_tolerance"] == 5 else 5}'.encode())
+    assert edited != raw
+    with _superuser(stack.settings.database_url) as conn:
+        conn.execute("UPDATE matrix_runs SET report = %s WHERE job_id = %s",
+                     (edited, matrix_id))
+    with session_scope(stack.db) as s:
+        tampered = reverification.report(s, str(run_id), checker)["gate"]
+    assert tampered["passed"] is False and "not the one its worker signed" in tampered["reason"]

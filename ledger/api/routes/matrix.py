@@ -32,7 +32,9 @@ def _out(session: Session, settings: Settings, job_id: uuid.UUID | str) -> Matri
 
 @router.post("/matrix-runs", status_code=202, tags=["matrix"], response_model=MatrixRunOut,
              summary="Request a replay matrix run: a worker replays a sample under each cell",
-             responses={200: {"description": "This Idempotency-Key was used: the first run"}})
+             responses={200: {"description": "This Idempotency-Key was used: the first run"},
+                        409: {"description": "This Idempotency-Key was used for another "
+                                             "request"}})
 def create_matrix_run(
     body: MatrixRunIn, request: Request, response: Response,
     idempotency_key: IdempotencyKey = None,
@@ -43,16 +45,18 @@ def create_matrix_run(
     requested = matrix_runs.request_matrix_run(
         session, settings, actor=actor_of(principal), model_sha256=body.model_sha256,
         fingerprint_id=body.fingerprint_id, records_fingerprint_id=body.records_fingerprint_id,
-        sample=body.sample, seed=body.seed, cells=body.cells, idempotency_key=idempotency_key)
+        sample=body.sample, seed=body.seed, cells=body.cells, idempotency_key=idempotency_key,
+        fingerprints=body.fingerprints)
     job = requested.job
     if requested.created:
         audit.record(session, principal, "matrix_run.requested", str(job.id),
-                     **{k: v for k, v in (job.params or {}).items() if k != "requested_by"})
+                     **{k: v for k, v in (job.params or {}).items()
+                        if k not in ("requested_by", "request_sha256")})
     else:
         response.status_code = 200
-    job_id, fingerprint = job.id, job.fingerprint_id
+    job_id = job.id
     commit_and_publish(request, session,
-                       [(str(job_id), fingerprint)] if requested.created else [])
+                       [(str(p.id), p.fingerprint_id) for p in requested.parts])
     return _out(session, settings, job_id)
 
 
