@@ -351,14 +351,18 @@ def _part_state(session: Session, job: ReplayJob, checker: RecordChecker) -> dic
     return out
 
 
-def lead_job(session: Session, run_id: uuid.UUID) -> ReplayJob:
-    job = session.get(ReplayJob, run_id)
+def lead_job(session: Session, run_id: uuid.UUID | str) -> ReplayJob:
+    try:
+        job_id = uuid.UUID(str(run_id))
+    except ValueError as exc:             # the path's pattern lets through e.g. "0"
+        raise NotFound(f"no matrix run {run_id}") from exc
+    job = session.get(ReplayJob, job_id)
     if job is None or job.kind != "matrix" or (job.params or {}).get("matrix_run"):
         raise NotFound(f"no matrix run {run_id}")
     return job
 
 
-def matrix_run_state(session: Session, job_id: uuid.UUID, checker: RecordChecker
+def matrix_run_state(session: Session, job_id: uuid.UUID | str, checker: RecordChecker
                      ) -> dict[str, Any]:
     """A matrix run's state and, part by part (one per fingerprint), each report its
     worker signed, checked against its leaf first (:func:`checked_report`). ``report``,

@@ -174,7 +174,16 @@ async def ingest_one(
     report = await run_in_threadpool(_ingest_sync, request.app, credentials, raw, settings,
                                      atomic=False, batch=False)
     _count(report.results)
-    r = report.results[0]
+    r = _refuse_failure(report.results[0])
+    body = _result_dict(r)
+    if wait and r.log_index is not None:
+        receipts = await _receipts(request, [r.log_index], timeout)
+        body["receipt"] = receipts[0] if receipts else None
+    return JSONResponse(body, status_code=http_status(r))
+
+
+def _refuse_failure(r: ingest_service.ItemResult) -> ingest_service.ItemResult:
+    """The one item of a single-envelope POST, or its error raised (409 for a conflict)."""
     if r.error is not None:
         raise r.error
     if r.outcome is Outcome.CONFLICT:
@@ -183,11 +192,7 @@ async def ingest_one(
             code="request_id_conflict", request_id=r.request_id,
             existing_dsse_sha256=r.existing_dsse_sha256, submitted_dsse_sha256=r.dsse_sha256,
             log_index=r.log_index)
-    body = _result_dict(r)
-    if wait and r.log_index is not None:
-        receipts = await _receipts(request, [r.log_index], timeout)
-        body["receipt"] = receipts[0] if receipts else None
-    return JSONResponse(body, status_code=http_status(r))
+    return r
 
 
 async def _receipts(request: Request, indices: list[int],

@@ -23,8 +23,7 @@ router = APIRouter(prefix="/v1", responses=COMMON_RESPONSES, route_class=StrictJ
 
 
 def _out(session: Session, settings: Settings, job_id: uuid.UUID | str) -> MatrixRunOut:
-    state = matrix_runs.matrix_run_state(session, uuid.UUID(str(job_id)),
-                                         matrix_runs.checker_for(settings))
+    state = matrix_runs.matrix_run_state(session, job_id, matrix_runs.checker_for(settings))
     links = {"self": f"/v1/matrix-runs/{state['id']}",
              "page": f"/console/matrix-runs/{state['id']}"}
     return MatrixRunOut.model_validate({**state, "links": links})
