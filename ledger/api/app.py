@@ -293,6 +293,7 @@ def _lifespan(settings: Settings, engine: Engine
                 app.state.metrics_listener.stop()
             app.state.group_commit.close()
             app.state.ingest_reads.dispose()
+            app.state.log_reads.dispose()
 
     return lifespan
 
@@ -417,6 +418,20 @@ def _install_openapi(app: FastAPI) -> None:
 
 #: ``application_name`` of the ingest reads' connections (``pg_stat_activity``)
 INGEST_READS_APPLICATION = "ledger-api-ingest-reads"
+#: ... and of the log proof routes' reads
+LOG_READS_APPLICATION = "ledger-api-log-reads"
+
+
+def _log_proofs_state(app: FastAPI, settings: Settings, engine: Engine) -> None:
+    """What the log's proof routes use: reads on an autocommit engine without pre-ping,
+    as ingest's (:func:`ledger.api.auth.require_reads`), and the log's keys from outside
+    the database (the log key file), against which they check the checkpoint they serve
+    (once per note: :mod:`ledger.log.proofs`)."""
+    app.state.log_reads = make_engine(
+        settings, url=engine.url.render_as_string(hide_password=False), pre_ping=False,
+        autocommit=True, application_name=LOG_READS_APPLICATION)
+    log_signer = LogSigner.from_settings(settings)
+    app.state.log_keys = (log_signer.verifier(),) if log_signer is not None else ()
 
 
 def create_app(settings: Settings | None = None, engine: Engine | None = None,
@@ -445,6 +460,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.state.ingest_reads = make_engine(
         settings, url=engine.url.render_as_string(hide_password=False), pre_ping=False,
         autocommit=True, application_name=INGEST_READS_APPLICATION)
+    _log_proofs_state(app, settings, engine)
     app.state.service_signer = Signer.from_file(settings.service_key_file, "ledger",
                                                 "ledger-service")
     app.state.publisher = publisher if publisher is not None else CeleryPublisher(

@@ -12,17 +12,19 @@ C2SP tlog-tiles paths (``/log/...``) stay public, as that spec expects (docs/dep
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from ledger.api.deps import get_session, get_settings_dep
+from ledger.db.session import AutocommitReads
 from ledger.errors import Forbidden, Unauthorized
-from ledger.services.apikeys import Principal, authenticate
+from ledger.services.apikeys import Principal, authenticate, authenticate_reads
 from ledger.settings import Settings
 
 ALL_ROLES = frozenset({"ingester", "reviewer", "auditor", "worker", "admin"})
@@ -106,6 +108,39 @@ def presented(permission: str) -> Callable[..., Coroutine[Any, Any, Credentials]
         creds: HTTPAuthorizationCredentials | None = Depends(_bearer),
     ) -> Credentials:
         return Credentials(_presented(creds), permission)
+
+    dependency.permission = permission  # type: ignore[attr-defined]
+    return dependency
+
+
+def require_reads(permission: str) -> Callable[..., AsyncIterator[AutocommitReads]]:
+    """:func:`require` for async routes that only read (the log's proofs): the key and
+    its role are checked in one thread-pool hop, one raw statement on the API's
+    autocommit read engine (``app.state.log_reads``: no BEGIN, ROLLBACK or ping), and
+    the route reads on the same connection (:meth:`AutocommitReads.run`). Checked
+    before the route's parameters, as :func:`require` does (a role without the
+    permission gets 403 whatever it asked)."""
+    if permission not in PERMISSIONS:
+        raise KeyError(f"unknown permission {permission!r}")
+
+    async def dependency(
+        request: Request,
+        creds: HTTPAuthorizationCredentials | None = Depends(_bearer),
+    ) -> AsyncIterator[AutocommitReads]:
+        key = _presented(creds)
+        pepper = request.app.state.settings.api_key_pepper.get_secret_value()
+        reads = AutocommitReads(request.app.state.log_reads)
+
+        def check() -> Principal:
+            principal = authenticate_reads(reads, key, pepper)
+            check_role(principal, permission)
+            return principal
+
+        try:
+            request.state.principal = await run_in_threadpool(check)
+            yield reads
+        finally:
+            reads.release()  # autocommit: giving the connection back sends nothing
 
     dependency.permission = permission  # type: ignore[attr-defined]
     return dependency

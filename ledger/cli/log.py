@@ -217,25 +217,16 @@ def export_command(
     """Write a self-contained bundle: envelopes, inclusion proofs against one checkpoint,
     the checkpoint and the public keys. `ledger verify` checks it offline."""
     from ledger.db.session import make_engine
-    from ledger.log.export import Selection, bundle_lines
+    from ledger.log.export import Selection, write_bundle
 
     settings = settings_with(database_url)
     engine = make_engine(settings, pool_size=2)
     selection = Selection(recorded_after, recorded_before, model_sha256, fingerprint_id,
                           tuple(request_id or ()))
-    n = 0
     tmp = out_path.with_suffix(out_path.suffix + ".part")
     with tmp.open("wb") as fh, _progress() as bar:
-        task = bar.add_task("exporting", total=None)
-        for i, line in enumerate(bundle_lines(engine, selection)):
-            fh.write(line)
-            if i == 0:
-                import json
-
-                bar.update(task, total=json.loads(line)["records"])
-            else:
-                n += 1
-                bar.advance(task)
+        bar.add_task("exporting", total=None)
+        n = write_bundle(engine, selection, fh)
     engine.dispose()
     if n == 0 and not allow_empty:
         tmp.unlink(missing_ok=True)

@@ -389,6 +389,81 @@ def _read_with_nodes(reader: TileReader, tiles: list[Tile]
     return dict(zip(tiles, got, strict=True))
 
 
+def _locate(level: int, index: int, size: int) -> tuple[Tile, int, int]:
+    """Where the full subtree (tree ``level``, ``index``) is found in the tree of ``size``:
+    (its tile, its in-tile level j, the offset of its first hash in the tile). A subtree
+    at tree level 8*L + j is the MTH of 2**j consecutive hashes of tile level L."""
+    tile_level, j = divmod(level, TILE_HEIGHT)
+    first = index << j  # index of the subtree's first hash at tree level 8*tile_level
+    n = first >> TILE_HEIGHT
+    return Tile(tile_level, n, tile_width(tile_level, n, size)), j, first & (TILE_WIDTH - 1)
+
+
+class NodeSlice(NamedTuple):
+    """Where the bytes of one full subtree's hash lie in storage: ``length`` bytes at
+    ``offset`` of ``tile``'s data, or of its stored :func:`tile_nodes` (``in_nodes``).
+    32 bytes are the hash itself; more (a run of hashes of a partial tile) are hashed
+    into it by :func:`hash_from_slice`."""
+
+    node: tuple[int, int]  # (tree level, index)
+    tile: Tile
+    in_nodes: bool
+    offset: int
+    length: int
+
+
+def _slices_for(
+    size: int,
+    ranges: Sequence[tuple[int, int]],
+    memo: Mapping[tuple[int, int], bytes] | None,
+) -> list[NodeSlice]:
+    out: dict[tuple[int, int], NodeSlice] = {}
+    made: dict[tuple[int, int], Tile] = {}  # a Tile checks its fields: one per tile
+    for lo, hi in ranges:
+        for node in _full_subtrees(lo, hi):
+            if node in out or (memo is not None and node in memo):
+                continue
+            tile_level, j = divmod(node[0], TILE_HEIGHT)
+            first = node[1] << j
+            n = first >> TILE_HEIGHT
+            offset = first & (TILE_WIDTH - 1)
+            tile = made.get((tile_level, n))
+            if tile is None:
+                tile = made[(tile_level, n)] = Tile(tile_level, n,
+                                                    tile_width(tile_level, n, size))
+            if j and not tile.is_partial:
+                out[node] = NodeSlice(node, tile, True, tile_node_offset(j, offset >> j),
+                                      HASH_SIZE)
+            else:
+                out[node] = NodeSlice(node, tile, False, offset * HASH_SIZE, HASH_SIZE << j)
+    return list(out.values())
+
+
+def hash_from_slice(piece: NodeSlice, data: bytes) -> bytes:
+    """The subtree hash from the bytes at ``piece`` (``len(data) == piece.length``)."""
+    if len(data) != piece.length:
+        raise TileFormatError(f"{piece.tile.path}: {len(data)} bytes for {piece.length}")
+    return data if len(data) == HASH_SIZE else _mth_aligned(data)
+
+
+def inclusion_proof_slices(
+    index: int, size: int, memo: Mapping[tuple[int, int], bytes] | None = None
+) -> list[NodeSlice]:
+    """Where the hashes :func:`inclusion_proof_from_tiles` needs for (``index``,
+    ``size``) and ``memo`` lacks are stored: so a caller can read just those bytes in
+    the round trip that reads the entry, and hand them in through ``memo``."""
+    return _slices_for(size, inclusion_proof_ranges(index, size), memo)
+
+
+def consistency_proof_slices(
+    old_size: int, new_size: int, memo: Mapping[tuple[int, int], bytes] | None = None
+) -> list[NodeSlice]:
+    """:func:`inclusion_proof_slices` for
+    :func:`consistency_proof_and_old_root_from_tiles`."""
+    ranges = consistency_proof_ranges(old_size, new_size)
+    return _slices_for(new_size, [*ranges, (0, old_size)] if old_size else ranges, memo)
+
+
 def _subtree_hashes(
     size: int,
     nodes: Iterable[tuple[int, int]],
@@ -412,11 +487,8 @@ def _subtree_hashes(
             if known is not None:
                 out[(level, index)] = known
                 continue
-        tile_level, j = divmod(level, TILE_HEIGHT)
-        first = index << j  # index of the subtree's first hash at tree level 8*tile_level
-        n = first >> TILE_HEIGHT
-        tile = Tile(tile_level, n, tile_width(tile_level, n, size))
-        where[(level, index)] = (tile, j, first & (TILE_WIDTH - 1))
+        tile, j, offset = _locate(level, index, size)
+        where[(level, index)] = (tile, j, offset)
         wanted[tile] = None
     if not wanted:
         return out

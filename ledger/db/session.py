@@ -6,11 +6,11 @@ dependency, the task, the CLI command) commits or rolls back.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from functools import lru_cache
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from alembic import command
@@ -21,6 +21,8 @@ from sqlalchemy import Connection, Engine, create_engine, event, make_url, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from ledger.settings import Settings, get_settings
+
+T = TypeVar("T")
 
 
 def database_url(settings: Settings, url: str | None = None) -> str:
@@ -110,6 +112,21 @@ class AutocommitReads:
                 with raw_cursor(self._conn) as cur:
                     cur.execute(query, params)
                     return cur.fetchall()
+            except psycopg.OperationalError:
+                self._conn.invalidate()
+                self.release()
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def run(self, work: Callable[[Connection], T]) -> T:
+        """``work(connection)`` on this object's connection, with :meth:`fetchall`'s one
+        retry on a fresh connection: ``work`` must only read (it may run twice)."""
+        for attempt in range(2):
+            if self._conn is None:
+                self._conn = self.engine.connect()
+            try:
+                return work(self._conn)
             except psycopg.OperationalError:
                 self._conn.invalidate()
                 self.release()

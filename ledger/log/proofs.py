@@ -5,46 +5,53 @@ process-wide cache of subtree hashes: :mod:`ledger.log.store`), none of which is
 So before a proof is served it is verified against the root of the signed checkpoint it
 is served with, the (size, root) taken from the note's signed text, not from the
 ``checkpoints`` columns: a changed hash anywhere below gives :class:`StoredTreeMismatch`
-(after one retry with the cache dropped), never a wrong proof. Verifying costs about 20
-SHA-256 calls; building the proof from the cache and one tile read costs a few more.
+(after one retry with the cache dropped), never a wrong proof. With the log's keys
+(``log_keys``: from outside the database, the log key file or the trust policy) the
+note's signature is checked too, once per distinct note: the process keeps what it
+verified keyed on the note's exact bytes and the keys, so a changed note is checked anew.
+
+One round trip per proof: the checkpoint, the entry and the tiles the proof needs (what
+the subtree cache lacks, for the size of the latest checkpoint this process saw) are
+read in one statement; only when the latest checkpoint moved does a second read fetch
+what the new size needs. Verifying costs about 20 SHA-256 calls.
 """
 
 from __future__ import annotations
 
 import base64
 from binascii import b2a_base64
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from ledger.core.errors import LedgerError, ProofError, TreeRangeError
 from ledger.core.merkle import HASH_SIZE, node_hash, verify_consistency, verify_inclusion
 from ledger.core.merkle import leaf_hash as compute_leaf_hash
-from ledger.core.note import decode_note, parse_checkpoint
+from ledger.core.note import NoteVerifier, decode_note, open_note, parse_checkpoint
 from ledger.core.tiles import (
     TILE_HEIGHT,
     TILE_WIDTH,
     Tile,
     consistency_proof_and_old_root_from_tiles,
+    consistency_proof_slices,
     inclusion_proof_from_tiles,
+    inclusion_proof_slices,
     subtree_path_from_tiles,
     tile_node_offset,
     tile_nodes,
     tile_width,
 )
-from ledger.db.session import raw_cursor
+from ledger.db.session import raw_connection
 from ledger.errors import NotFound, StoredTreeMismatch
 from ledger.log.store import (
     SUBTREES,
     PgTileReader,
     StoredCheckpoint,
-    checkpoint_and_entry,
-    checkpoint_at,
-    checkpoints_for_consistency,
     database_scope,
-    latest_checkpoint,
+    read_for_proof,
 )
 
 T = TypeVar("T")
@@ -81,35 +88,41 @@ class InclusionReceipt:
         }
 
 
-_SIGNED: dict[bytes, StoredCheckpoint] = {}
+_SIGNED: dict[tuple[bytes, tuple[NoteVerifier, ...]], StoredCheckpoint] = {}
+#: The size of the latest checkpoint each database last served (which tiles to read).
+_LATEST: dict[str, int] = {}
 
 
-def signed_checkpoint(cp: StoredCheckpoint) -> StoredCheckpoint:
+def signed_checkpoint(cp: StoredCheckpoint,
+                      log_keys: Sequence[NoteVerifier] = ()) -> StoredCheckpoint:
     """``cp`` with size and root read from its note's text (what its signature covers);
-    :class:`StoredTreeMismatch` when the columns say otherwise. The signature itself is
-    the reader's to check, against keys it trusts (the note is served as it is)."""
-    known = _SIGNED.get(cp.note)
+    :class:`StoredTreeMismatch` when the columns say otherwise or, with ``log_keys``,
+    when no signature by one of them verifies. Without ``log_keys`` the signature is the
+    reader's to check, against keys it trusts (the note is served as it is).
+
+    Remembered per (exact note bytes, keys): a note seen before costs a dict lookup."""
+    keys = tuple(log_keys)
+    known = _SIGNED.get((cp.note, keys))
     if known is None:
         try:
-            text = decode_note(cp.note)
-            split = text.rfind("\n\n")
-            parsed = parse_checkpoint(text[: split + 1] if split >= 0 else text)
+            if keys:
+                text = open_note(cp.note, keys).text
+            else:
+                text = decode_note(cp.note)
+                split = text.rfind("\n\n")
+                text = text[: split + 1] if split >= 0 else text
+            parsed = parse_checkpoint(text)
         except LedgerError as exc:
-            raise StoredTreeMismatch(f"the stored checkpoint of size {cp.tree_size} does "
-                                     f"not parse: {exc.message}") from None
+            raise StoredTreeMismatch(f"the stored checkpoint of size {cp.tree_size} is not "
+                                     f"a checkpoint signed by the log: {exc.message}") from None
         known = StoredCheckpoint(parsed.size, parsed.root_hash, cp.note)
         if len(_SIGNED) > 64:
             _SIGNED.clear()
-        _SIGNED[cp.note] = known
+        _SIGNED[(cp.note, keys)] = known
     if (known.tree_size, known.root_hash) != (cp.tree_size, cp.root_hash):
         raise StoredTreeMismatch(f"the stored checkpoint of size {cp.tree_size}: its "
                                  "columns differ from its signed note")
     return known
-
-
-def checkpoint_for(cur: Any, tree_size: int | None) -> StoredCheckpoint:
-    cp = latest_checkpoint(cur) if tree_size is None else checkpoint_at(cur, tree_size)
-    return signed_checkpoint(_found(cp, tree_size))
 
 
 def _found(cp: StoredCheckpoint | None, tree_size: int | None) -> StoredCheckpoint:
@@ -120,12 +133,52 @@ def _found(cp: StoredCheckpoint | None, tree_size: int | None) -> StoredCheckpoi
     return cp
 
 
-def _verified(build: Callable[[dict[tuple[int, int], bytes] | None], T],
-              check: Callable[[T], None], cur: Any, what: str) -> T:
+def _pick(rows: list[StoredCheckpoint], size: int | None) -> StoredCheckpoint | None:
+    if size is None:
+        return max(rows, key=lambda c: c.tree_size) if rows else None
+    return next((c for c in rows if c.tree_size == size), None)
+
+
+Memo = MutableMapping[tuple[int, int], bytes]
+
+
+class _ProofMemo(MutableMapping[tuple[int, int], bytes]):
+    """The hashes one proof may use: what it read, then the process cache. The cache
+    gets those every proof may share: above level-0 tiles (tree level 8 and up: a few
+    per 256 entries) and inside the rightmost, partial one (in every proof of the
+    size); the others, inside one full level-0 tile, which random reads rarely share,
+    stay with this proof, so they do not crowd the shared ones out of the bounded cache."""
+
+    def __init__(self, shared: Memo, fetched: dict[tuple[int, int], bytes], size: int) -> None:
+        self.shared, self.own = shared, fetched
+        self.edge = size >> TILE_HEIGHT << TILE_HEIGHT  # the partial tile's first leaf
+        for node, h in fetched.items():
+            self[node] = h
+
+    def __getitem__(self, node: tuple[int, int]) -> bytes:
+        found = self.own.get(node)
+        return found if found is not None else self.shared[node]
+
+    def __setitem__(self, node: tuple[int, int], h: bytes) -> None:
+        level, index = node
+        shared = level >= TILE_HEIGHT or index << level >= self.edge
+        (self.shared if shared else self.own)[node] = h
+
+    def __delitem__(self, node: tuple[int, int]) -> None:
+        raise TypeError("a proof's hashes are not deleted")
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter({**self.shared, **self.own})
+
+    def __len__(self) -> int:
+        return len({**self.shared, **self.own})
+
+
+def _verified(build: Callable[[Memo | None], T], check: Callable[[T], None], memo: Memo,
+              scope: str, what: str) -> T:
     """``build(memo)`` a proof, ``check`` it; on failure once more without the cache
     (which may hold a hash read before a repair), then refuse."""
-    scope = database_scope(cur)
-    proof = build(SUBTREES.for_scope(scope))
+    proof = build(memo)
     try:
         check(proof)
         return proof
@@ -142,35 +195,63 @@ def _verified(build: Callable[[dict[tuple[int, int], bytes] | None], T],
     return proof
 
 
-def inclusion(session: Session, log_index: int, tree_size: int | None = None) -> InclusionReceipt:
-    with raw_cursor(session) as cur:
-        stored, entry = checkpoint_and_entry(cur, tree_size, log_index)
-        cp = signed_checkpoint(_found(stored, tree_size))
+def inclusion(session: Session | Connection, log_index: int, tree_size: int | None = None, *,
+              log_keys: Sequence[NoteVerifier] = ()) -> InclusionReceipt:
+    """The inclusion proof of entry ``log_index`` against the checkpoint of ``tree_size``
+    (None: the latest), verified against its signed root (and, with ``log_keys``, the
+    note's signature checked) before it is returned."""
+    conn = raw_connection(session)
+    with conn.cursor(binary=True) as cur:
+        scope = database_scope(cur)
+        memo = SUBTREES.for_scope(scope)
+        guess = _LATEST.get(scope) if tree_size is None else tree_size
+        want = (inclusion_proof_slices(log_index, guess, memo)
+                if guess is not None and 0 <= log_index < guess else [])
+        rows = read_for_proof(cur, [tree_size], log_index, want)
+        cp = signed_checkpoint(_found(_pick(rows.checkpoints, tree_size), tree_size),
+                               log_keys)
+        if tree_size is None:
+            _LATEST[scope] = cp.tree_size
         if log_index >= cp.tree_size:
             raise NotYetIntegrated(
                 f"log index {log_index} is not in the latest checkpoint (size {cp.tree_size}) "
                 "yet; retry shortly")
-        if entry is None:
+        if rows.entry is None:
             raise NotFound(f"no log entry {log_index}")
+        entry = rows.entry
         leaf = compute_leaf_hash(entry)
-        reader = PgTileReader(cur)
+        reader = PgTileReader(conn.cursor())
         proof = _verified(
             lambda memo: inclusion_proof_from_tiles(log_index, cp.tree_size, reader, memo),
             lambda p: verify_inclusion(leaf, log_index, cp.tree_size, p, cp.root_hash),
-            cur, f"inclusion proof of entry {log_index}")
+            _ProofMemo(memo, rows.hashes, cp.tree_size), scope,
+            f"inclusion proof of entry {log_index}")
     return InclusionReceipt(log_index, cp.tree_size, entry, leaf, proof, cp)
 
 
-def consistency(session: Session, old_size: int, new_size: int | None) -> dict[str, Any]:
-    with raw_cursor(session) as cur:
-        new_stored, old_stored = checkpoints_for_consistency(cur, new_size, old_size)
-        new_cp = signed_checkpoint(_found(new_stored, new_size))
+def consistency(session: Session | Connection, old_size: int, new_size: int | None, *,
+                log_keys: Sequence[NoteVerifier] = ()) -> dict[str, Any]:
+    """The consistency proof from ``old_size`` to the checkpoint of ``new_size`` (None:
+    the latest), verified as :func:`inclusion` verifies, in one round trip as a rule."""
+    conn = raw_connection(session)
+    with conn.cursor(binary=True) as cur:
+        scope = database_scope(cur)
+        memo = SUBTREES.for_scope(scope)
+        guess = _LATEST.get(scope) if new_size is None else new_size
+        want = (consistency_proof_slices(old_size, guess, memo)
+                if guess is not None and 0 <= old_size <= guess else [])
+        rows = read_for_proof(cur, [new_size, old_size], None, want)
+        new_cp = signed_checkpoint(_found(_pick(rows.checkpoints, new_size), new_size),
+                                   log_keys)
+        if new_size is None:
+            _LATEST[scope] = new_cp.tree_size
         if old_size > new_cp.tree_size:
             raise TreeRangeError(f"from={old_size} is larger than to={new_cp.tree_size}")
-        old_cp = signed_checkpoint(old_stored) if old_stored and old_size else None
-        reader = PgTileReader(cur)
+        old_stored = _pick(rows.checkpoints, old_size)
+        old_cp = signed_checkpoint(old_stored, log_keys) if old_stored and old_size else None
+        reader = PgTileReader(conn.cursor())
 
-        def build(memo: dict[tuple[int, int], bytes] | None) -> tuple[list[bytes], bytes]:
+        def build(memo: Memo | None) -> tuple[list[bytes], bytes]:
             # Without a checkpoint at old_size the old root comes from the same stored
             # tree; the proof must still lead to the signed new root, which (unless
             # SHA-256 collides) only the true hashes do.
@@ -182,7 +263,7 @@ def consistency(session: Session, old_size: int, new_size: int | None) -> dict[s
             verify_consistency(old_size, new_cp.tree_size, built[0], old_root,
                                new_cp.root_hash)
 
-        proof, _ = _verified(build, check, cur,
+        proof, _ = _verified(build, check, _ProofMemo(memo, rows.hashes, new_cp.tree_size), scope,
                              f"consistency proof {old_size} -> {new_cp.tree_size}")
     return {
         "from": old_size,
@@ -201,6 +282,28 @@ _SIBLINGS = tuple((j, TILE_WIDTH + tile_node_offset(j, 0) // HASH_SIZE if j else
                   for j in range(TILE_HEIGHT))
 
 
+class _UpperTilesKept:
+    """A tile reader that keeps the tiles above level 0 it read (with their nodes) for
+    the rest of an export: the path above every level-0 tile reads from them, a
+    different hash each time (one query per level-0 tile otherwise). There are few: one
+    per 65,536 entries, 16 KiB each; at most ``capacity`` are kept."""
+
+    def __init__(self, reader: PgTileReader, capacity: int = 4096) -> None:
+        self.reader = reader
+        self.capacity = capacity
+        self._kept: dict[Tile, tuple[bytes, bytes | None]] = {}
+
+    def read_tiles(self, tiles: Sequence[Tile]) -> list[bytes]:
+        return [data for data, _ in self.read_tiles_and_nodes(tiles)]
+
+    def read_tiles_and_nodes(self, tiles: Sequence[Tile]) -> list[tuple[bytes, bytes | None]]:
+        want = [t for t in tiles if t.level == 0 or t not in self._kept]
+        got = dict(zip(want, self.reader.read_tiles_and_nodes(want), strict=True))
+        if len(self._kept) < self.capacity:
+            self._kept.update((t, v) for t, v in got.items() if t.level > 0)
+        return [got[t] if t in got else self._kept[t] for t in tiles]
+
+
 class BundleProofs:
     """Inclusion proofs of many entries against one signed checkpoint, for an export:
     JSON arrays of base64 hashes, as bundle records carry them.
@@ -216,18 +319,19 @@ class BundleProofs:
     :class:`StoredTreeMismatch`: nothing unverified goes into a bundle."""
 
     DENSE = 32
-    PREFETCH = 8
+    PREFETCH = 32
 
     def __init__(self, cur: Any, cp: StoredCheckpoint) -> None:
         cp = signed_checkpoint(cp)
         self.size, self.root = cp.tree_size, cp.root_hash
-        self.reader = PgTileReader(cur)
+        self.reader = _UpperTilesKept(PgTileReader(cur))
         self.memo: dict[tuple[int, int], bytes] = {}  # this export's subtree hashes
         self._full = self.size >> TILE_HEIGHT  # level-0 tiles that are full
         self._ahead: dict[int, tuple[bytes, bytes | None]] = {}
         self._tile = -1
         self._used = 0
         self._dense = False
+        self._paths: list[bytes | None] = []
 
     def proof_json(self, index: int) -> bytes:
         """``["<b64>", ...]`` of PATH(index, D[0:size]), verified."""
@@ -240,17 +344,32 @@ class BundleProofs:
             self._enter(tile)
         self._used += 1
         pos = index & (TILE_WIDTH - 1)
-        enc = self._enc
-        parts = []
-        for j, base in _SIBLINGS:  # the sibling at in-tile level j, in the flat layout
-            at = base + ((pos >> j) ^ 1)
-            found = enc[at]
-            if found is None:
-                found = enc[at] = b2a_base64(self._flat(at), newline=False)
-            parts.append(found)
+        path = self._paths[pos] or self._path(pos)
         if not self._dense:
             self._check_inside(pos)
-        return b'["' + b'","'.join(parts) + self._above
+        return b'["' + path
+
+    def _path(self, pos: int) -> bytes:
+        """The JSON tail of entry ``pos``'s proof: its sibling at every in-tile level,
+        then the hashes above the tile. Node k at in-tile level j has the tail of node
+        k >> 1 above it after its own sibling, so a tail is kept per node: a tile's
+        entries share them (about two concatenations an entry, not eight)."""
+        paths, chain = self._paths, []
+        rest: bytes | None = None
+        k = pos
+        for _j, base in _SIBLINGS:
+            known = paths[base + k]
+            if known is not None:
+                rest = known
+                break
+            chain.append((base, k))
+            k >>= 1
+        for base, k in reversed(chain):
+            sibling = b2a_base64(self._flat(base + (k ^ 1)), newline=False)
+            rest = paths[base + k] = sibling + (self._above if rest is None
+                                                else b'","' + rest)
+        assert rest is not None
+        return rest
 
     def _enter(self, tile: int) -> None:
         self._dense = self._used >= self.DENSE
@@ -264,7 +383,7 @@ class BundleProofs:
         if self._dense or nodes is None:
             nodes = tile_nodes(data)  # derived from the leaves: checked by construction
         self._all = data + nodes  # the 511 hashes: leaves, then tile_nodes' order
-        self._enc: list[bytes | None] = [None] * (2 * TILE_WIDTH - 1)
+        self._paths = [None] * (2 * TILE_WIDTH - 1)  # by flat index: see _path
         self._hash = nodes[-HASH_SIZE:]
         above = subtree_path_from_tiles(TILE_HEIGHT, tile, self.size, self.reader, self.memo)
         try:

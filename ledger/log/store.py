@@ -11,11 +11,18 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from functools import lru_cache
 from typing import Any
 
 from ledger.core.errors import TileNotFoundError
 from ledger.core.merkle import HASH_SIZE
-from ledger.core.tiles import FULL_TILE_BYTES, TILE_NODES_BYTES, Tile
+from ledger.core.tiles import (
+    FULL_TILE_BYTES,
+    TILE_NODES_BYTES,
+    NodeSlice,
+    Tile,
+    hash_from_slice,
+)
 
 
 class FullTileCache:
@@ -151,29 +158,96 @@ class PgTileReader:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class ProofRows:
+    """What one :func:`read_for_proof` round trip found."""
+
+    checkpoints: list[StoredCheckpoint]
+    entry: bytes | None
+    hashes: dict[tuple[int, int], bytes]
+    """The subtree hashes of the slices that were found whole, by (tree level, index)."""
+
+
+def read_for_proof(cursor: Any, sizes: Sequence[int | None], index: int | None,
+                   slices: Sequence[NodeSlice]) -> ProofRows:
+    """In one round trip: the checkpoints of ``sizes`` (None: the latest), log entry
+    ``index`` (when not None) and the bytes of ``slices`` (just those bytes: reading a
+    whole tile and its nodes costs half again a point SELECT). A slice not found (a
+    tile or its nodes not stored) is left out; the caller reads it the usual way.
+    ``cursor`` should be binary (bytes as they are, not hex)."""
+    by_tile: dict[Tile, tuple[list[NodeSlice], list[NodeSlice]]] = {}
+    for piece in slices:
+        by_tile.setdefault(piece.tile, ([], []))[piece.in_nodes].append(piece)
+    shape = (tuple(size is None for size in sizes), index is not None,
+             tuple((tuple(p.length for p in data), tuple(p.length for p in nodes))
+                   for data, nodes in by_tile.values()))
+    params: list[Any] = [size for size in sizes if size is not None]
+    if index is not None:
+        params.append(index)
+    for tile, (data, nodes) in by_tile.items():
+        params += [p.offset + 1 for p in data]
+        params += [p.offset + 1 for p in nodes]
+        params += [tile.level, tile.index]
+    cursor.execute(_proof_sql(shape), params)
+    checkpoints: list[StoredCheckpoint] = []
+    entry = None
+    found: dict[tuple[int, int], tuple[bytes | None, bytes | None]] = {}
+    for part, a, b, x, y in cursor.fetchall():
+        if part == 0:
+            checkpoints.append(StoredCheckpoint(a, x, y))
+        elif part == 1:
+            entry = x
+        else:
+            found[(a, b)] = (x, y)
+    hashes: dict[tuple[int, int], bytes] = {}
+    for tile, groups in by_tile.items():
+        got = found.get((tile.level, tile.index))
+        if got is None:
+            continue
+        for blob, group in zip(got, groups, strict=True):
+            if blob is None or len(blob) != sum(p.length for p in group):
+                continue  # nodes not stored, or a tile narrower than wanted
+            at = 0
+            for piece in group:
+                hashes[piece.node] = hash_from_slice(piece, blob[at : at + piece.length])
+                at += piece.length
+    return ProofRows(checkpoints, entry, hashes)
+
+
+_ProofShape = tuple[tuple[bool, ...], bool, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]
+
+
+@lru_cache(maxsize=256)
+def _proof_sql(shape: _ProofShape) -> str:
+    """The statement :func:`read_for_proof` sends for one shape (which checkpoints, an
+    entry or not, how many slices of which lengths in each tile): the same few texts
+    over and over, so psycopg prepares them; the values (sizes, index, offsets, tile
+    coordinates) are parameters, the lengths (32 bytes, or a run of hashes of a partial
+    tile) numbers of ours."""
+    latest, with_entry, tiles = shape
+    conds = ["tree_size = (SELECT max(tree_size) FROM checkpoints)" if is_latest
+             else "tree_size = %s" for is_latest in latest]
+    parts = ["SELECT 0, tree_size, NULL::bigint, root_hash, note FROM checkpoints "  # noqa: S608
+             f"WHERE {' OR '.join(conds)}"]
+    if with_entry:
+        parts.append("SELECT 1, idx, NULL::bigint, entry, NULL::bytea FROM log_entries "
+                     "WHERE idx = %s")
+    for data, nodes in tiles:
+        cols = [" || ".join(f"substring({source} from %s::int for {int(length)})"
+                            for length in lengths) or "NULL::bytea"
+                for source, lengths in (("t.data", data), ("n.nodes", nodes))]
+        join = " LEFT JOIN tile_nodes n ON n.level = t.level AND n.idx = t.idx" if nodes else ""
+        parts.append(f"SELECT 2, t.level::bigint, t.idx, {cols[0]}, {cols[1]} "  # noqa: S608
+                     f"FROM tiles t{join} WHERE t.level = %s AND t.idx = %s")
+    return " UNION ALL ".join(parts)
+
+
 def _int_arrays(tiles: Sequence[Tile]) -> tuple[str, str]:
     """The tiles' levels and indices as array literals (psycopg's list adaptation
     inspects every element: a quarter of a millisecond per proof)."""
     levels = ",".join(str(t.level) for t in tiles)
     indices = ",".join(str(t.index) for t in tiles)
     return f"{{{levels}}}", f"{{{indices}}}"
-
-
-def checkpoints_for_consistency(cursor: Any, new_size: int | None, old_size: int
-                                ) -> tuple[StoredCheckpoint | None, StoredCheckpoint | None]:
-    """The checkpoint of ``new_size`` (None: the latest) and the one of ``old_size`` if
-    there is one, in one round trip."""
-    new_where = ("tree_size = (SELECT max(tree_size) FROM checkpoints)" if new_size is None
-                 else "tree_size = %(new)s")
-    cursor.execute("SELECT tree_size, root_hash, note FROM checkpoints "  # noqa: S608 - ours
-                   f"WHERE {new_where} OR tree_size = %(old)s", {"new": new_size, "old": old_size})
-    rows = [StoredCheckpoint(r[0], bytes(r[1]), bytes(r[2])) for r in cursor.fetchall()]
-    if new_size is None:
-        new = max(rows, key=lambda c: c.tree_size) if rows else None
-    else:
-        new = next((c for c in rows if c.tree_size == new_size), None)
-    old = next((c for c in rows if c.tree_size == old_size), None)
-    return new, old
 
 
 def write_tiles(cursor: Any, tiles: Mapping[Tile, bytes]) -> None:
@@ -209,24 +283,6 @@ def latest_checkpoint(cursor: Any) -> StoredCheckpoint | None:
                    "ORDER BY tree_size DESC LIMIT 1")
     row = cursor.fetchone()
     return StoredCheckpoint(row[0], bytes(row[1]), bytes(row[2])) if row else None
-
-
-def checkpoint_and_entry(cursor: Any, size: int | None, index: int
-                         ) -> tuple[StoredCheckpoint | None, bytes | None]:
-    """The checkpoint of ``size`` (None: the latest) and log entry ``index``, in one round
-    trip (an inclusion proof needs both)."""
-    cp_where = ("ORDER BY tree_size DESC LIMIT 1" if size is None
-                else "WHERE tree_size = %(size)s")
-    cursor.execute(
-        "SELECT c.tree_size, c.root_hash, c.note, e.entry FROM "  # noqa: S608 - ours
-        f"(SELECT tree_size, root_hash, note FROM checkpoints {cp_where}) c "
-        "FULL JOIN (SELECT entry FROM log_entries WHERE idx = %(index)s) e ON true",
-        {"size": size, "index": index})
-    row = cursor.fetchone()
-    if row is None:
-        return None, None
-    cp = StoredCheckpoint(row[0], bytes(row[1]), bytes(row[2])) if row[0] is not None else None
-    return cp, bytes(row[3]) if row[3] is not None else None
 
 
 def checkpoint_at(cursor: Any, size: int) -> StoredCheckpoint | None:

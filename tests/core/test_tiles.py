@@ -23,13 +23,18 @@ from ledger.core.merkle import (
 from ledger.core.tiles import (
     EntryBundle,
     MemoryTileStore,
+    NodeSlice,
     Tile,
+    consistency_proof_and_old_root_from_tiles,
     consistency_proof_from_tiles,
+    consistency_proof_slices,
     decode_entry_bundle,
     encode_entry_bundle,
     encode_tile_index,
     entry_bundles_for_size,
+    hash_from_slice,
     inclusion_proof_from_tiles,
+    inclusion_proof_slices,
     integrate,
     parse_tile_path,
     root_from_tiles,
@@ -418,3 +423,51 @@ def test_subtree_path_verifies_from_the_tile_hash() -> None:
                          -(-size // 256), path, root_hash(LEAVES[:size]))
     with pytest.raises(TreeRangeError):
         subtree_path_from_tiles(8, 3, 1000, node_store())  # tile 0/3 is partial at 1000
+
+
+class _NoReads:
+    """A tile reader for proofs that must need none (everything is in the memo)."""
+
+    def read_tiles(self, tiles: Sequence[Tile]) -> list[bytes]:
+        raise AssertionError(f"read {[t.path for t in tiles]}")
+
+
+def _read_slices(store: MemoryTileStore, slices: list[NodeSlice]) -> dict[tuple[int, int], bytes]:
+    """What ``ledger.log.store.read_for_proof`` does in SQL (substring of the tile or of
+    its stored nodes), over the in-memory store."""
+    out = {}
+    for piece in slices:
+        data, nodes = store.read_tiles_and_nodes([piece.tile])[0]
+        source = nodes if piece.in_nodes else data
+        assert source is not None, piece
+        out[piece.node] = hash_from_slice(piece,
+                                          source[piece.offset : piece.offset + piece.length])
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), size=st.one_of(st.integers(1, BIG),
+                                      st.sampled_from([1, 255, 256, 257, 65_536, BIG])))
+def test_proof_slices_are_all_a_proof_needs(data: st.DataObject, size: int) -> None:
+    """The bytes the slices name, and nothing else, make the same proofs as the tiles;
+    with a memo that holds some hashes already, only the missing ones are named."""
+    store = node_store()
+    memo: dict[tuple[int, int], bytes] = {}
+    for _ in range(3):  # the memo fills from one proof to the next
+        index = data.draw(st.integers(0, size - 1))
+        old = data.draw(st.one_of(st.integers(0, size), st.sampled_from([0, 1, size])))
+        slices = inclusion_proof_slices(index, size, memo)
+        assert not any(piece.node in memo for piece in slices)
+        memo.update(_read_slices(store, slices))
+        assert inclusion_proof_from_tiles(index, size, _NoReads(), memo) == \
+            inclusion_proof_from_tiles(index, size, store)
+        memo.update(_read_slices(store, consistency_proof_slices(old, size, memo)))
+        proof, old_root = consistency_proof_and_old_root_from_tiles(old, size, _NoReads(), memo)
+        assert proof == consistency_proof_from_tiles(old, size, store)
+        assert old_root == root_from_tiles(old, store, tree_size=size)
+
+
+def test_a_wrong_slice_length_is_refused() -> None:
+    piece = inclusion_proof_slices(3, 300)[0]
+    with pytest.raises(TileFormatError):
+        hash_from_slice(piece, b"\0" * (piece.length + 1))

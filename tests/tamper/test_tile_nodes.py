@@ -20,14 +20,20 @@ import pytest
 from sqlalchemy import Engine
 
 from ledger.core.bundle import verify_lines
-from ledger.core.keys import generate_private_key
+from ledger.core.keys import generate_private_key, private_pem
 from ledger.core.merkle import verify_inclusion
-from ledger.core.note import format_verifier_key, parse_verifier_key
+from ledger.core.note import (
+    Checkpoint,
+    NoteVerifier,
+    format_verifier_key,
+    parse_verifier_key,
+    sign_checkpoint,
+)
 from ledger.db.session import make_engine, session_scope
 from ledger.errors import StoredTreeMismatch
 from ledger.log import proofs
 from ledger.log.audit import audit
-from ledger.log.export import Selection, bundle_lines
+from ledger.log.export import Selection, bundle_chunks, bundle_lines, write_bundle
 from ledger.log.integrator import integrate_all
 from ledger.log.signer import LogSigner
 from ledger.log.store import SUBTREES
@@ -198,3 +204,75 @@ def test_http_refusal_is_a_problem(log: Log, tmp_path: Path) -> None:
     verify_inclusion(base64.b64decode(body["leaf_hash"]), 300, log.size,
                      [base64.b64decode(h) for h in body["inclusion_proof"]],
                      base64.b64decode(body["root_hash"]))
+
+
+def forge_latest_note(log: Log) -> None:
+    """Replace the latest checkpoint's note by one for the same size and root signed by
+    a key that is not the log's (the columns still agree with its text)."""
+    with psycopg.connect(log.pg) as conn:
+        row = conn.execute("SELECT root_hash FROM checkpoints WHERE tree_size = %s",
+                           (log.size,)).fetchone()
+    assert row is not None
+    forged = sign_checkpoint(Checkpoint(ORIGIN, log.size, bytes(row[0])), ORIGIN,
+                             generate_private_key())
+    superuser(log, "UPDATE checkpoints SET note = %s WHERE tree_size = %s",
+              (forged, log.size))
+
+
+def test_with_the_log_keys_a_checkpoint_not_signed_by_them_is_refused(log: Log) -> None:
+    """The proof routes hold the log's key from outside the database: a note it did
+    not sign is refused, though its text matches the columns and the tree. What was
+    verified is remembered by the note's exact bytes, so a note changed after it was
+    checked is checked again."""
+    keys = (log.signer.verifier(),)
+    other: tuple[NoteVerifier, ...] = (LogSigner(ORIGIN, generate_private_key()).verifier(),)
+    with session_scope(log.engine) as s:
+        good = proofs.inclusion(s, 5, log_keys=keys)  # verified and remembered
+        proofs.consistency(s, 300, None, log_keys=keys)
+        with pytest.raises(StoredTreeMismatch, match="not a checkpoint signed by the log"):
+            proofs.inclusion(s, 5, log_keys=other)
+    forge_latest_note(log)
+    with session_scope(log.engine) as s:
+        with pytest.raises(StoredTreeMismatch, match="not a checkpoint signed by the log"):
+            proofs.inclusion(s, 5, log_keys=keys)
+        with pytest.raises(StoredTreeMismatch, match="not a checkpoint signed by the log"):
+            proofs.consistency(s, 300, None, log_keys=keys)
+        # without keys the note is served as it is, for its reader to check
+        assert proofs.inclusion(s, 5).proof == good.proof
+
+
+def test_http_proofs_check_the_note_with_the_log_key_file(log: Log, tmp_path: Path) -> None:
+    key_file = tmp_path / "log.pem"
+    key_file.write_bytes(private_pem(log.signer.key))
+    env = {"LEDGER_LOG_NAME": ORIGIN, "LEDGER_LOG_KEY_FILE": str(key_file),
+           "LEDGER_INTEGRATE_IN_API": "false"}
+    with run_server(log.url, extra_env=env, log_dir=tmp_path) as srv:
+        srv.keys = log.keys
+        with srv.client("reviewer") as c:
+            assert c.get("/v1/log/proof", params={"index": 7}).status_code == 200
+            assert c.get("/v1/log/consistency", params={"from": 300}).status_code == 200
+            forge_latest_note(log)
+            bad = c.get("/v1/log/proof", params={"index": 7})
+            bad_consistency = c.get("/v1/log/consistency", params={"from": 300})
+    for r in (bad, bad_consistency):
+        assert r.status_code == 500, r.text
+        assert r.headers["content-type"].startswith("application/problem+json")
+        assert r.json()["code"] == "log_integrity"
+
+
+def test_export_in_chunks_and_to_a_file_is_the_export_by_line(log: Log,
+                                                              tmp_path: Path) -> None:
+    lines = export(log)
+    chunks = list(bundle_chunks(log.engine, Selection(), log.service))
+    assert chunks[0].count(b"\n") == 1 and chunks[0].endswith(b"\n")  # the header alone
+    assert b"".join(chunks[1:]).split(b"\n")[:-1] == lines[1:]
+    out = tmp_path / "bundle.jsonl"
+    with out.open("wb") as fh:
+        fh.write(b"before\n")  # written from where the file is
+        assert write_bundle(log.engine, Selection(), fh, log.service) == len(lines) - 1
+        fh.write(b"after\n")
+    written = out.read_bytes().split(b"\n")
+    assert written[0] == b"before" and written[-2:] == [b"after", b""]
+    assert written[2:-2] == lines[1:]
+    pinned = [parse_verifier_key(format_verifier_key(ORIGIN, log.signer.key.public_key()))]
+    assert verify_lines(written[1:-2], pinned_log_keys=pinned).records == len(lines) - 1

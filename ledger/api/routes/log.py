@@ -18,12 +18,14 @@ import re
 from datetime import datetime
 from typing import Annotated, Any
 
+import orjson
 from fastapi import APIRouter, Depends, Path, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.orm import Session
 
-from ledger.api.auth import require
+from ledger.api.auth import require, require_reads
 from ledger.api.deps import get_session
 from ledger.api.params import (
     AfterQuery,
@@ -37,10 +39,10 @@ from ledger.core.envelope import REQUEST_ID_MAX_LENGTH, REQUEST_ID_PATTERN
 from ledger.core.errors import ValidationFailed
 from ledger.core.note import format_verifier_key
 from ledger.core.tiles import EntryBundle, Tile, encode_entry_bundle, parse_tile_path, tile_width
-from ledger.db.session import raw_cursor
+from ledger.db.session import AutocommitReads, raw_cursor
 from ledger.errors import NotFound
 from ledger.log import proofs, witnessing
-from ledger.log.export import Selection, bundle_lines
+from ledger.log.export import Selection, bundle_chunks
 from ledger.log.signer import log_verifiers
 from ledger.log.store import PgTileReader, entries, integrated_size, latest_checkpoint
 from ledger.replay.records import require_signer
@@ -179,42 +181,62 @@ def checkpoint_json(session: Session = Depends(get_session)) -> dict[str, Any]:
             "checkpoint": cp.note.decode(), "origin": origin, "verifier_keys": keys}
 
 
+def _json(body: Any) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
 @router.get("/v1/log/consistency", tags=["log"], response_model=ConsistencyProofOut,
             summary="Consistency proof between two tree sizes (RFC 9162 2.1.4)")
-def log_consistency(
+async def log_consistency(
+    request: Request,
     from_size: int = Query(..., alias="from", ge=0, le=2**62),
     to_size: int | None = Query(None, alias="to", ge=0, le=2**62,
                                 description="a checkpointed size; default the latest"),
-    session: Session = Depends(get_session),
-) -> dict[str, Any]:
-    return proofs.consistency(session, from_size, to_size)
+) -> Response:
+    # One thread-pool hop for the database work, which is one round trip as a rule, on
+    # the autocommit read engine (no BEGIN, ROLLBACK or ping); orjson bytes out.
+    def work() -> bytes:
+        with AutocommitReads(request.app.state.log_reads) as reads:
+            return orjson.dumps(reads.run(lambda conn: proofs.consistency(
+                conn, from_size, to_size, log_keys=request.app.state.log_keys)))
+
+    return Response(await run_in_threadpool(work), media_type="application/json")
 
 
 @router.get("/v1/log/proof", tags=["log"], response_model=InclusionProofOut,
             summary="Inclusion proof of any log entry (envelope, verdict or dispute event)")
-def entry_proof(
+async def entry_proof(
+    request: Request,
     index: int = Query(..., ge=0, le=2**62),
     tree_size: int | None = Query(None, ge=1, le=2**62,
                                   description="a checkpointed size; default the latest"),
-    _: Principal = Depends(require("log:read")),  # the entry names a request or dispute
-    session: Session = Depends(get_session),
-) -> dict[str, Any]:
-    return proofs.inclusion(session, index, tree_size).to_json()
+    # the entry names a request or dispute: a reading role, checked on the connection
+    # the proof is then read on
+    reads: AutocommitReads = Depends(require_reads("log:read")),
+) -> Response:
+    def work() -> bytes:
+        receipt = reads.run(lambda conn: proofs.inclusion(
+            conn, index, tree_size, log_keys=request.app.state.log_keys))
+        return orjson.dumps(receipt.to_json())
+
+    return Response(await run_in_threadpool(work), media_type="application/json")
 
 
 @router.get("/v1/envelopes/{request_id}/proof", tags=["envelopes"],
             response_model=EnvelopeInclusionProofOut,
             summary="Inclusion proof of an envelope against a signed checkpoint")
 def envelope_proof(
+    request: Request,
     request_id: RequestIdPath,
     tree_size: int | None = Query(None, ge=1, le=2**62,
                                   description="a checkpointed size; default the latest"),
     _: Principal = Depends(require("envelopes:read")),
     session: Session = Depends(get_session),
-) -> dict[str, Any]:
+) -> Response:
     _stored, fields = envelope_service.get_envelope(session, request_id)
-    receipt = proofs.inclusion(session, fields["log_index"], tree_size)
-    return {"request_id": request_id, **receipt.to_json()}
+    receipt = proofs.inclusion(session, fields["log_index"], tree_size,
+                               log_keys=request.app.state.log_keys)
+    return _json({"request_id": request_id, **receipt.to_json()})
 
 
 @router.get("/v1/export", tags=["export"], response_class=StreamingResponse,
@@ -239,11 +261,11 @@ def export_bundle(
     selection = Selection(recorded_after, recorded_before, model_sha256, fingerprint_id,
                           tuple(request_id or ()), limit)
     audit.record(session, principal, "export", None, selection=selection.to_json())
-    lines = bundle_lines(request.app.state.engine, selection,
-                         require_signer(request.app.state.service_signer,
-                                        "an export (its manifest is signed)"))
-    first = next(lines)  # errors (no checkpoint yet) surface as problems, not broken streams
+    chunks = bundle_chunks(request.app.state.engine, selection,
+                           require_signer(request.app.state.service_signer,
+                                          "an export (its manifest is signed)"))
+    first = next(chunks)  # errors (no checkpoint yet) surface as problems, not broken streams
     session.commit()
-    return StreamingResponse(itertools.chain([first], lines), media_type="application/x-ndjson",
+    return StreamingResponse(itertools.chain([first], chunks), media_type="application/x-ndjson",
                              headers={"Content-Disposition":
                                       'attachment; filename="ledger-bundle.jsonl"'})
