@@ -18,9 +18,7 @@ Targets, each at every rate:
   runs it (``ContinuousBatcher``: admission by arrival at the next step, ``--max-batch``
   running, prompts prefilled in ``--chunk``-token chunks next to the decodes, a prefix cache
   of ``--prefix-pages`` 16-token pages). One thread adds the requests whose arrival time has
-  passed between steps, as the server's batcher thread does; no HTTP. Mixed steps (prompt
-  chunks and decode tokens in one forward) are on unless ``--no-mixed``; ``--mixed both``
-  also measures ``reference-bi-nomix`` / ``reference-default-nomix`` in the same run.
+  passed between steps, as the server's batcher thread does; no HTTP.
 * ``vllm-default`` / ``vllm-flag`` (``--vllm-model``): ``vllm serve`` started here (vLLM as
   shipped; with ``VLLM_BATCH_INVARIANT=1`` and the adapter's numerics flags, scheduler left
   at vLLM's defaults so it batches: the deterministic channel itself admits one sequence at
@@ -116,20 +114,17 @@ def make_engine(args: argparse.Namespace) -> Any:
     return engine
 
 
-def run_reference(engine: Any, args: argparse.Namespace, rate: float,
-                  mixed: bool = True) -> dict[str, Any]:
+def run_reference(engine: Any, args: argparse.Namespace, rate: float) -> dict[str, Any]:
     from workers.engine.api import GenerationRequest, SamplingParams
 
-    target = ("reference-bi" if engine.batch_invariant else "reference-default") + \
-        ("" if mixed else "-nomix")
+    target = "reference-bi" if engine.batch_invariant else "reference-default"
     sampling = SamplingParams(max_tokens=args.new, ignore_eos=True)
     plan = workload(args, engine.config.vocab_size, rate)
-    engine.stats = type(engine.stats)()
+    engine.stats.prefix_hit_tokens = engine.stats.prompt_tokens = 0
     if engine.prefix_cache is not None:
         engine.prefix_cache.clear()
     timings: dict[int, Timing] = {}
-    with engine.batcher(max_batch=args.max_batch, prefill_chunk=args.chunk,
-                        mixed=mixed) as batcher:
+    with engine.batcher(max_batch=args.max_batch, prefill_chunk=args.chunk) as batcher:
         start = time.perf_counter()
         pending = list(enumerate(plan))
         while pending or not batcher.idle:
@@ -144,11 +139,9 @@ def run_reference(engine: Any, args: argparse.Namespace, rate: float,
                 time.sleep(min(0.005, max(0.0, pending[0][1][0] - now)))
             for f in batcher.take_finished():
                 timings[f.ticket].tokens = list(f.token_times)
-    stats = engine.stats
-    hits = stats.prefix_hit_tokens / max(1, stats.prompt_tokens)
+    hits = engine.stats.prefix_hit_tokens / max(1, engine.stats.prompt_tokens)
     return summarize(target, rate, list(timings.values()),
-                     {"prefix_hit_share": round(hits, 3), "decode_steps": stats.decode_steps,
-                      "mixed_steps": stats.mixed_steps})
+                     {"prefix_hit_share": round(hits, 3)})
 
 
 # ---------------------------------------------------------------------- over HTTP
@@ -245,11 +238,6 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=None, help="prefill chunk (tokens)")
     parser.add_argument("--prefix-pages", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mixed", choices=["on", "off", "both"], default="on",
-                        help="mixed steps (prompt chunks and decodes in one forward) of our "
-                             "engine: on, off, or both (each rate twice, same run)")
-    parser.add_argument("--no-mixed", dest="mixed", action="store_const", const="off",
-                        help="same as --mixed off")
     parser.add_argument("--modes", default="bi,default",
                         help="reference engine modes: bi (batch invariant), default; "
                              "'none' to measure only --url / --vllm-model")
@@ -283,13 +271,11 @@ def main() -> None:
         vocab = engine.config.vocab_size
         log(f"reference engine on {args.device}: warm-up")
         run_reference(engine, argparse.Namespace(**{**vars(args), "requests": 4}), 100.0)
-        mixes = {"on": [True], "off": [False], "both": [True, False]}[args.mixed]
         for mode in modes:
             engine.batch_invariant = mode == "bi"
             for rate in rates:
-                for mixed in mixes:
-                    rows.append(run_reference(engine, args, rate, mixed))
-                    log(json.dumps(rows[-1]))
+                rows.append(run_reference(engine, args, rate))
+                log(json.dumps(rows[-1]))
         del engine
         if gpu:
             import torch
@@ -314,7 +300,7 @@ def main() -> None:
     header = (f"{platform.node()} {args.device}: {args.requests} requests x ({args.prompt} "
               f"prompt tokens, {args.shared} shared from {args.prefixes} prefixes, + "
               f"{args.new} new), max_batch {args.max_batch}, chunk {args.chunk}, prefix "
-              f"pages {args.prefix_pages}, mixed {args.mixed}")
+              f"pages {args.prefix_pages}")
     print(header + "\n\n" + text, flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -6,16 +6,11 @@ logprobs) runs under every combination of
 * alone, or joining a running batch of co-tenants at step 0, 1 or 7;
 * prefill chunk size 1, 16, 61 or the whole prompt;
 * prefix cache cold (empty), or warm (a request sharing the probe's first 64 tokens ran
-  before, so 4 of its 16-token blocks are served from the cache);
-* mixed steps on (prompt chunks and the running requests' decode tokens in one ``prefill``
-  forward) or off (a prefill forward, then the decode step),
+  before, so 4 of its 16-token blocks are served from the cache),
 
 and its token ids, logprobs (float bits), top logprobs, finish reason and per-step logits
-digests must equal those of the plain run (alone, whole prompt, no prefix cache: its
-decode tokens all come from decode steps), for each model family the engine supports. The
-matrix checks that mixed steps really ran: with chunk 1 every join has the probe decode
-tokens in mixed forwards (beside a co-tenant's 90-token prompt), and every join with chunk
-1 or 16 has mixed forwards. With batch invariance off the same matrix must find
+digests must equal those of the plain run (alone, whole prompt, no prefix cache), for each
+model family the engine supports. With batch invariance off the same matrix must find
 differences (the negative control), and the test says where.
 """
 
@@ -25,7 +20,7 @@ import random
 from collections.abc import Iterator
 from itertools import product
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import pytest
 
@@ -39,7 +34,6 @@ from workers.engine.prefix_cache import PrefixCache  # noqa: E402
 JOINS = (None, 0, 1, 7)                 # None: alone
 CHUNKS = (1, 16, 61, None)              # None: the whole prompt in one pass
 WARM = (False, True)
-MIXED = (True, False)
 BLOCK = 16
 
 
@@ -70,24 +64,16 @@ def scenario(vocab_size: int, seed: int = 0, prompt_len: int = 70
     return probe, cotenants, warmer
 
 
-class Probe(NamedTuple):
-    signature: Any
-    hits: int               # prefix-cache hit tokens of the run
-    mixed_tokens: int       # the probe's tokens decoded in mixed forwards
-    mixed_steps: int        # mixed forwards with decode rows in the run
-
-
 def run_probe(engine: Any, probe: GenerationRequest, cotenants: list[GenerationRequest],
               warmer: GenerationRequest, *, join: int | None, chunk: int | None,
-              warm: bool | None, mixed: bool = True) -> Probe:
-    """The probe's signature under one combination, with what the run did.
+              warm: bool | None) -> tuple[Any, int]:
+    """The probe's signature under one combination, and its prefix-cache hit tokens.
     ``warm`` None: no prefix cache at all."""
     engine.prefix_cache = None if warm is None else PrefixCache(pages=64, block_size=BLOCK)
     if warm:
         engine.generate([warmer], max_batch=1)
     hits_before = engine.stats.prefix_hit_tokens
-    mixed_before = engine.stats.mixed_steps
-    with engine.batcher(max_batch=8, prefill_chunk=chunk, mixed=mixed) as batcher:
+    with engine.batcher(max_batch=8, prefill_chunk=chunk) as batcher:
         if join is not None:
             for request in cotenants:
                 batcher.add(request)
@@ -95,43 +81,25 @@ def run_probe(engine: Any, probe: GenerationRequest, cotenants: list[GenerationR
                 batcher.step()
             assert join == 0 or batcher.running > 0, "co-tenants finished before the probe joined"
         ticket = batcher.add(probe)
-        finished = {f.ticket: f for f in batcher.run()}
+        results = {f.ticket: f.result for f in batcher.run()}
+    hits = engine.stats.prefix_hit_tokens - hits_before
     engine.prefix_cache = None
-    return Probe(signature(finished[ticket].result),
-                 engine.stats.prefix_hit_tokens - hits_before,
-                 finished[ticket].mixed_tokens, engine.stats.mixed_steps - mixed_before)
+    return signature(results[ticket]), hits
 
 
-def check_mixed_ran(run: Probe, *, join: int | None, chunk: int | None, mixed: bool,
-                    where: str) -> None:
-    """Mixed steps ran where the combination must have them, and only when switched on."""
-    if not mixed:
-        assert run.mixed_steps == 0 and run.mixed_tokens == 0, where
-        return
-    if join is not None and chunk in (1, 16):     # (61: a warm run may need one step)
-        assert run.mixed_steps > 0, f"{where}: no mixed step ran"
-    if join is not None and chunk == 1:
-        assert run.mixed_tokens > 0, f"{where}: no probe token was decoded in a mixed step"
-
-
-def matrix(engine: Any, vocab_size: int, *, cells: Any = None,
-           prompt_len: int = 70) -> tuple[list[str], int]:
-    """Combinations whose probe result differs from the plain run; the number compared.
-    ``cells``: the (join, chunk, warm, mixed) combinations (default: all)."""
-    probe, cotenants, warmer = scenario(vocab_size, prompt_len=prompt_len)
-    plain = run_probe(engine, probe, cotenants, warmer, join=None, chunk=None, warm=None)
-    assert plain.mixed_tokens == 0 and plain.mixed_steps == 0
+def matrix(engine: Any, vocab_size: int) -> tuple[list[str], int]:
+    """Combinations whose probe result differs from the plain run; the number compared."""
+    probe, cotenants, warmer = scenario(vocab_size)
+    plain, _ = run_probe(engine, probe, cotenants, warmer, join=None, chunk=None, warm=None)
     differing, compared = [], 0
-    for join, chunk, warm, mixed in cells or product(JOINS, CHUNKS, WARM, MIXED):
-        where = f"join={join} chunk={chunk} warm={warm} mixed={mixed}"
-        got = run_probe(engine, probe, cotenants, warmer, join=join, chunk=chunk,
-                        warm=warm, mixed=mixed)
+    for join, chunk, warm in product(JOINS, CHUNKS, WARM):
+        got, hits = run_probe(engine, probe, cotenants, warmer, join=join, chunk=chunk,
+                              warm=warm)
         if warm:
-            assert got.hits >= 4 * BLOCK, f"warm prefix cache served only {got.hits} tokens"
-        check_mixed_ran(got, join=join, chunk=chunk, mixed=mixed, where=where)
+            assert hits >= 4 * BLOCK, f"warm prefix cache served only {hits} tokens"
         compared += 1
-        if got.signature != plain.signature:
-            differing.append(where)
+        if got != plain:
+            differing.append(f"join={join} chunk={chunk} warm={warm}")
     return differing, compared
 
 
@@ -153,7 +121,7 @@ def engine(request: pytest.FixtureRequest, hf_model_dir: Any) -> Iterator[Any]:
 def test_invariant_under_joins_chunks_and_prefix_cache(engine: Any) -> None:
     assert engine.batch_invariant
     differing, compared = matrix(engine, engine.config.vocab_size)
-    assert compared == len(JOINS) * len(CHUNKS) * len(WARM) * len(MIXED)
+    assert compared == len(JOINS) * len(CHUNKS) * len(WARM)
     assert not differing, f"{len(differing)}/{compared} combinations changed the probe: " \
                           f"{differing}"
 
@@ -167,43 +135,6 @@ def test_negative_control_default_kernels_differ(engine: Any) -> None:
     # attention split than the one-pass prompt) on this CPU.
     chunked = [d for d in differing if "chunk=None" not in d]
     assert chunked, differing
-
-
-@pytest.mark.parametrize("static_decode", [False, True])
-def test_mixed_steps_keep_every_request_and_the_stats(static_decode: bool) -> None:
-    """Requests joining at several steps, with and without mixed steps: every request's
-    result is the same bits, and the engine counts the same prompt, prefill and generated
-    tokens (``static_decode``: the padded path CUDA graphs replay)."""
-    engine = load_engine("tiny-demo")
-    engine.static_decode = static_decode
-    probe, cotenants, _ = scenario(engine.config.vocab_size, seed=3)
-    arrivals = {0: cotenants[:2], 2: [probe], 5: cotenants[2:4], 9: cotenants[4:]}
-    runs = {}
-    for mixed in (True, False):
-        engine.stats = type(engine.stats)()
-        with engine.batcher(max_batch=4, prefill_chunk=16, mixed=mixed) as batcher:
-            for step in range(max(arrivals) + 1):
-                for request in arrivals.get(step, []):
-                    batcher.add(request)
-                batcher.step()
-            finished = batcher.take_finished() + batcher.run()
-        stats = engine.stats
-        runs[mixed] = ({f.result.id: signature(f.result) for f in finished},
-                       sum(f.mixed_tokens for f in finished),
-                       (stats.prompt_tokens, stats.prefill_tokens, stats.generated_tokens,
-                        stats.decode_steps), stats.mixed_steps)
-    (on, on_tokens, on_stats, on_steps), (off, off_tokens, off_stats, off_steps) = \
-        runs[True], runs[False]
-    assert len(on) == 6 and on == off
-    assert on_stats[:3] == off_stats[:3]
-    # Decode steps may differ by a step per arrival: a prompt admitted while a decode step
-    # was already launched waits for the next launch, to ride in a mixed forward.
-    assert abs(on_stats[3] - off_stats[3]) <= len(arrivals) and on_steps <= on_stats[3]
-    assert on_stats[2] == sum(len(s[0]) for s in on.values())          # generated tokens
-    assert on_steps > 0 and on_tokens > 0 and off_steps == 0 and off_tokens == 0
-    assert on_tokens <= on_stats[2] - 6                 # first tokens come from the prompts
-    if static_decode:
-        assert engine._decoder is not None
 
 
 def test_chunked_prefill_matches_decode_positions() -> None:

@@ -9,15 +9,14 @@ mode the padded path must give exactly the bits of the plain path, and stay inva
 from __future__ import annotations
 
 import random
-from typing import Any
 
 import pytest
 import torch
 
 from tests.engine.test_invariance import differing_requests, random_pool, signature
-from workers.engine import load_engine, ops
+from workers.engine import load_engine
 from workers.engine.model import KVCache, decode_one_token, prefill
-from workers.engine.static_decode import StaticDecoder, decode_bucket
+from workers.engine.static_decode import decode_bucket
 
 
 def test_decode_bucket() -> None:
@@ -66,85 +65,3 @@ def test_static_decode_step_needs_no_rope_growth() -> None:
     assert model._rope_cos is table
     again = decode_one_token(model, cache, tokens, positions)
     assert torch.equal(static, again)
-
-
-# ------------------------------------------------------------------ decode rows in prefill
-#: Every family of the continuous matrix (tests/engine/test_continuous.py).
-FAMILIES = ["tiny-demo/float32", "tiny-demo/bfloat16", "mistral/float32", "qwen2/float32",
-            "qwen3/bfloat16", "llama2/float32", "llama3/float32"]
-
-
-def _copy(cache: KVCache) -> KVCache:
-    twin = KVCache.__new__(KVCache)
-    twin.slots, twin.max_seq = cache.slots, cache.max_seq
-    twin.k, twin.v = [k.clone() for k in cache.k], [v.clone() for v in cache.v]
-    return twin
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and bool(
-        (a.contiguous().view(torch.uint8) == b.contiguous().view(torch.uint8)).all())
-
-
-def _packed(pieces: list[tuple[int, int, list[int]]]) -> tuple[torch.Tensor, ...]:
-    """tokens, positions, slots, cu_seqlens of (slot, first position, tokens) pieces."""
-    tokens = torch.tensor([t for _, _, ts in pieces for t in ts])
-    positions = torch.tensor([p0 + i for _, p0, ts in pieces for i in range(len(ts))])
-    slots = torch.tensor([s for s, _, ts in pieces for _ in ts])
-    cu = torch.tensor([0, *(len(ts) for _, _, ts in pieces)]).cumsum(0).to(torch.int32)
-    return tokens, positions, slots, cu
-
-
-@pytest.mark.parametrize("case", FAMILIES)
-def test_decode_token_through_prefill_matches_decode_step_bit_for_bit(
-        case: str, hf_model_dir: Any) -> None:
-    """A mixed step's decode row (a one-token chunk at the sequence's next position, packed
-    with prompt chunks of other slots) gives the logits and the k/v bits of the decode
-    step (``decode_one_token``, and the padded static decoder the CUDA graphs replay)."""
-    model_name, dtype = case.split("/")
-    engine = load_engine(model_name if model_name == "tiny-demo" else hf_model_dir(model_name),
-                         dtype=dtype)
-    model, vocab = engine.model, engine.config.vocab_size
-    rng = random.Random(case)
-    lens = [70, 5, 130, 1]                        # decode rows at these positions (KV blocks
-    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in lens]        # of 64: 1-3)
-    chunk = [rng.randrange(vocab) for _ in range(40)]           # slot 4: a prompt, 2nd chunk
-    head = [rng.randrange(vocab) for _ in range(25)]
-    nexts = [rng.randrange(vocab) for _ in lens]
-    with torch.inference_mode(), ops.batch_invariant_mode(True):
-        cache = KVCache(model.config, 8, 256, dtype=model.dtype, device=model.device)
-        for slot, prompt in enumerate([*prompts, head]):
-            prefill(model, cache, *_packed([(slot, 0, prompt)]))
-        tokens, positions = torch.tensor(nexts), torch.tensor(lens)
-
-        plain_cache = _copy(cache)
-        plain = decode_one_token(model, plain_cache, tokens, positions)            # [4, V]
-        static_cache = _copy(cache)
-        decoder = StaticDecoder(model, static_cache, cuda_graphs=False)
-        padded = decoder.step(tokens[:3], positions[:3]).clone()    # 3 rows in a bucket of 4
-        alone_cache = _copy(cache)
-        alone = prefill(model, alone_cache, *_packed([(4, 25, chunk)]))            # [1, V]
-
-        # The mixed forward: four decode rows, then the prompt chunk.
-        mixed_cache = _copy(cache)
-        mixed = prefill(model, mixed_cache, *_packed(
-            [*((s, lens[s], [nexts[s]]) for s in range(4)), (4, 25, chunk)]))      # [5, V]
-        # Decode rows of slots 1 and 3 only, the chunk first (dummy rows at slots 0, 2).
-        sparse_cache = _copy(cache)
-        sparse = prefill(model, sparse_cache, *_packed(
-            [(4, 25, chunk), (1, lens[1], [nexts[1]]), (3, lens[3], [nexts[3]])]))
-        # One decode row (no batching of one-token chunks).
-        one = prefill(model, _copy(cache), *_packed([(2, lens[2], [nexts[2]])]))
-
-    assert _same_bits(mixed[:4], plain), "decode rows in a mixed prefill differ from decode"
-    assert _same_bits(padded, plain[:3]), "the padded static decode step differs"
-    assert _same_bits(mixed[4], alone[0]), "the prompt chunk changed next to decode rows"
-    assert _same_bits(sparse[0], alone[0])
-    assert _same_bits(sparse[1], plain[1]) and _same_bits(sparse[2], plain[3])
-    assert _same_bits(one[0], plain[2])
-    for layer in range(model.config.num_hidden_layers):    # the k/v written: same bits
-        for got, want in ((mixed_cache, plain_cache), (static_cache, plain_cache)):
-            for a, b in ((got.k[layer][:3], want.k[layer][:3]),
-                         (got.v[layer][:3], want.v[layer][:3])):
-                assert _same_bits(a, b), f"layer {layer}: cache differs"
-        assert _same_bits(mixed_cache.k[layer][4], alone_cache.k[layer][4])

@@ -15,22 +15,11 @@ One :meth:`ContinuousBatcher.step` does, in order:
    the logits digest (hashed off the critical path), and retire finished requests (the
    last live slots move into the holes, so slots 0..B-1 stay the running requests).
 
-**Mixed steps** (``mixed=True``, the engine's default): a step with prompt chunks to
-prefill runs them and the running requests' decode tokens in ONE packed ``prefill``
-forward, each decode token a one-token chunk at its position in its own slot (vLLM's
-chunked prefill does the same), instead of a prefill forward and then a decode step: a
-full pass over the weights fewer. Steps without prompt work run the decode step (the CUDA
-graph) exactly as without it. Like the decode step, the mixed forward is launched at the
-end of the step before (prompts admitted since then wait for the next launch: a request
-that arrives while a decode step is already launched has its first chunk in the step
-after; the decode step of the current one is not run twice).
-
 In batch-invariant mode a request's tokens, logprobs and logits digests do not depend on
 any of this: every kernel is row-wise, and prompt attention reads the slot's cache with the
 decode kernel (``ops.chunk_attention``), so neither the co-tenants, nor the step at which
-the request joined, nor the chunk size, nor a prefix-cache hit, nor whether a decode token
-ran in a mixed forward or a decode step changes a bit (``tests/engine/test_continuous.py``).
-The default mode gives no such promise.
+the request joined, nor the chunk size, nor a prefix-cache hit changes a bit
+(``tests/engine/test_continuous.py``). The default mode gives no such promise.
 
 ``static=True`` admits a new group only when the batch is empty: ``ReferenceEngine.generate``
 uses it to keep "``max_batch`` requests at a time, in file order" (the caller controls the
@@ -91,7 +80,6 @@ class _Sequence:
     digests: list[tuple[_StepDigests, int]] = field(default_factory=list)
     first_token_s: float | None = None     # perf_counter when the first token was known
     token_times: list[float] = field(default_factory=list)   # perf_counter per token
-    mixed_tokens: int = 0                  # tokens decoded in a mixed forward
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -109,20 +97,6 @@ class Finished:
     result: GenerationResult
     first_token_s: float | None            # perf_counter of the first token (TTFT)
     token_times: tuple[float, ...] = ()    # perf_counter when each token was known
-    mixed_tokens: int = 0                  # tokens decoded in a mixed forward (not the first)
-
-
-@dataclass
-class _Launched:
-    """A forward already run (on CUDA: enqueued) for the next step to sample."""
-
-    # fp32 logits of the decode rows: a decode step's [B, V] (row s = slot s), a mixed
-    # forward's [len(decoding), V] (row i = slot decoding[i]).
-    logits: Tensor
-    decoding: list[int]                     # the slots that decoded a token in it
-    # (slot, fp32 logits [V]) of the prompts it completed (mixed forwards only).
-    ready: list[tuple[int, Tensor]] = field(default_factory=list)
-    mixed: bool = False
 
 
 class ContinuousBatcher:
@@ -133,7 +107,7 @@ class ContinuousBatcher:
 
     def __init__(
         self, engine: ReferenceEngine, *, max_batch: int, prefill_chunk: int | None = None,
-        static: bool = False, mixed: bool = True,
+        static: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -143,15 +117,14 @@ class ContinuousBatcher:
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.static = static
-        self.mixed = mixed              # prompt chunks and decode tokens in one forward
         self.steps = 0
         self._tickets = 0
         self._waiting: deque[_Sequence] = deque()
         self._active: list[_Sequence] = []          # _active[s] lives in cache slot s
         self._retiring: list[_Sequence] = []        # finished, digests still hashing
         self._done: list[Finished] = []
-        # A decode step (or mixed forward) already run for the next step to sample.
-        self._launched: _Launched | None = None
+        # A decode step already run for the next step: (logits [B, V], decoding slots).
+        self._launched: tuple[Tensor, list[int]] | None = None
         # Its inputs on the device (tokens, positions [B]); when every running request was
         # in it, the next step's feed is the sampled tokens at positions + 1 (no host copy).
         self._feed: tuple[Tensor, Tensor] | None = None
@@ -244,9 +217,9 @@ class ContinuousBatcher:
         if not self._waiting or room <= 0:
             return
         group = list(self._waiting)[:room]
-        launched = self._launched
-        if launched is not None and not launched.mixed:   # the cache (and its graphs'
-            launched.logits = launched.logits.clone()     # buffers) may be replaced: copy
+        if self._launched is not None:     # the cache (and its graphs' buffers) may be
+            logits, decoding = self._launched                 # replaced below: own a copy
+            self._launched = (logits.clone(), decoding)
         # Slots for the whole batch at once (static: this group), so the cache (and on
         # CUDA its graph set) is not regrown one slot at a time.
         engine._ensure_cache(len(group) if self.static else self.max_batch,
@@ -268,14 +241,10 @@ class ContinuousBatcher:
             self._sampler.add(seq.request.sampling, seq.prompt)
             engine.stats.prompt_tokens += len(seq.prompt)
 
-    def _prefill(self, decoding: Sequence[int] = ()
-                 ) -> tuple[Tensor | None, list[tuple[int, Tensor]]]:
-        """Run this step's prompt chunks, and the next token of every slot in ``decoding``
-        as a one-token chunk in the first forward (a mixed step). Returns the decoding
-        slots' fp32 logits [len(decoding), V] (None without), and (slot, fp32 logits [V])
-        of completed prompts."""
+    def _prefill(self) -> list[tuple[int, Tensor]]:
+        """Run this step's prompt chunks; (slot, fp32 logits [V]) of completed prompts."""
         if not self._prompting:
-            return None, []
+            return []
         engine = self.engine
         cache = engine._cache
         assert cache is not None
@@ -289,13 +258,9 @@ class ContinuousBatcher:
             for start in range(seq.prefilled, seq.prefilled + n, budget):
                 pieces.append((slot, start, min(budget, seq.prefilled + n - start)))
         if not pieces:
-            return None, []
+            return []
         began = time.perf_counter()
-        # Decode rows first in the first forward (their logits are its first rows); they
-        # may take it past the token budget by at most max_batch tokens.
-        n_dec = len(decoding)
-        groups: list[list[tuple[int, int, int]]] = [
-            [(slot, self._active[slot].position, 1) for slot in decoding]]
+        groups: list[list[tuple[int, int, int]]] = [[]]
         used = 0
         for piece in pieces:
             if groups[-1] and used + piece[2] > budget:
@@ -305,27 +270,17 @@ class ContinuousBatcher:
             used += piece[2]
         dev = engine.device
         ready: list[tuple[int, Tensor]] = []
-        decoded: Tensor | None = None
-        for g, group in enumerate(groups):
-            tokens_of = [t for slot, p0, n in group[n_dec if g == 0 else 0:]
-                         for t in self._active[slot].prompt[p0:p0 + n]]
-            if g == 0 and n_dec:
-                tokens_of = [self._next_token(slot) for slot in decoding] + tokens_of
-            t = len(tokens_of)
-            cu_of = [0]
-            for _, _, n in group:
-                cu_of.append(cu_of[-1] + n)
-            both = torch.tensor(                                  # one host->device copy
-                [*tokens_of, *(p for _, p0, n in group for p in range(p0, p0 + n)),
-                 *(s for s, _, n in group for _ in range(n)), *cu_of]).to(dev)
-            tokens, positions, slots = both[:t], both[t:2 * t], both[2 * t:3 * t]
-            cu = both[3 * t:].to(torch.int32)
+        for group in groups:
+            tokens = torch.tensor([t for slot, p0, n in group
+                                   for t in self._active[slot].prompt[p0:p0 + n]], device=dev)
+            positions = torch.cat([torch.arange(p0, p0 + n, device=dev) for _, p0, n in group])
+            slots = torch.repeat_interleave(
+                torch.tensor([s for s, _, _ in group], device=dev),
+                torch.tensor([n for _, _, n in group], device=dev))
+            cu = torch.tensor([0, *(n for _, _, n in group)], device=dev).cumsum(0) \
+                .to(torch.int32)
             logits = prefill(engine.model, cache, tokens, positions, slots, cu)   # [C, V]
-            if g == 0 and n_dec:
-                decoded = logits[:n_dec]
             for row, (slot, p0, n) in enumerate(group):
-                if g == 0 and row < n_dec:
-                    continue
                 seq = self._active[slot]
                 seq.prefilled = p0 + n
                 engine.stats.prefill_tokens += n
@@ -335,40 +290,27 @@ class ContinuousBatcher:
                     if engine.prefix_cache is not None:
                         engine.prefix_cache.store(cache, slot, seq.prompt,
                                                   engine.prefix_mode())
-        if decoded is None:         # a mixed forward stays asynchronous, like a decode step
-            engine._synchronize()
-            engine.stats.prefill_s += time.perf_counter() - began
-        return decoded, ready
-
-    def _next_token(self, slot: int) -> int:
-        token = self._active[slot].next_token
-        assert token is not None
-        return token
+        engine._synchronize()
+        engine.stats.prefill_s += time.perf_counter() - began
+        return ready
 
     def _step(self) -> None:
         engine = self.engine
         stats = engine.stats
-        # Mixed: this step's prompt chunks ride in the forward launched for it (or, if a
-        # decode step was launched before they were admitted, in the next one).
-        ready = [] if self.mixed else self._prefill()[1]
+        ready = self._prefill()
         decode_began = time.perf_counter()
         dev = engine.device
         if self._launched is None:
-            self._launch_next()
+            self._launch_decode()
         launched, self._launched = self._launched, None
         feed, self._feed = self._feed, None
         rows: list[int] = []
         parts: list[Tensor] = []
-        mixed_rows = 0
         if launched is not None:
-            logits, decoding = launched.logits, launched.decoding
-            if decoding:
-                rows += decoding
-                parts.append(logits[torch.tensor(decoding).to(dev, non_blocking=True)]
-                             if len(decoding) < logits.shape[0] else logits)
-            if launched.mixed:
-                mixed_rows = len(decoding)
-            ready = launched.ready + ready
+            logits, decoding = launched
+            rows += decoding
+            parts.append(logits[torch.tensor(decoding).to(dev, non_blocking=True)]
+                         if len(decoding) < logits.shape[0] else logits)
         if ready:
             rows += [slot for slot, _ in ready]
             parts.append(torch.stack([row for _, row in ready]))
@@ -414,7 +356,6 @@ class ContinuousBatcher:
         digests = _StepDigests(self._digester.start(staged))   # type: ignore[arg-type]
         stats.generated_tokens += len(rows)
         for r, (seq, token, lp) in enumerate(zip(seqs, token_ids, token_lps, strict=True)):
-            seq.mixed_tokens += r < mixed_rows
             result = seq.result
             result.token_ids.append(token)
             result.logprobs.append(lp)
@@ -433,36 +374,19 @@ class ContinuousBatcher:
         if not fast:
             if finished:
                 self._retire(finished)
-            # The next step's decode (or mixed forward) goes to the device now, so the host
-            # work until then (the next step's admission and prefill bookkeeping, this
-            # step's digests) overlaps it.
-            self._launch_next()
+            # The next step's decode goes to the device now, so the host work until then
+            # (the next step's admission and prefill bookkeeping, this step's digests)
+            # overlaps it.
+            self._launch_decode()
         if finished:
             self._deliver(block=False)
         stats.decode_s += time.perf_counter() - decode_began
 
-    def _launch_next(self) -> None:
-        """Run (on CUDA: enqueue) the next step's forward, kept in ``_launched`` for the
-        step that samples it: with ``mixed`` and prompt work left, one ``prefill`` forward
-        of the prompt chunks and every decode token (``_prefill``); else a decode step."""
+    def _launch_decode(self) -> None:
+        """Run (on CUDA: enqueue) one decode step for every request with a token to feed;
+        kept in ``_launched`` for the step that samples it. Slots 0..B-1 as one batch; rows
+        still in their prompt are dummies (token 0 at a spare position), dropped later."""
         decoding = [s for s, seq in enumerate(self._active) if seq.next_token is not None]
-        if self.mixed and self._prompting:
-            logits, ready = self._prefill(decoding)
-            self._feed = None
-            stats = self.engine.stats
-            if logits is None:
-                logits = torch.empty(0, self.engine.config.vocab_size, device=self.engine.device)
-            else:
-                stats.decode_steps += 1
-                stats.mixed_steps += 1
-            self._launched = _Launched(logits, decoding, ready, mixed=True)
-            return
-        self._launch_decode(decoding)
-
-    def _launch_decode(self, decoding: list[int]) -> None:
-        """Run (on CUDA: enqueue) one decode step for every request with a token to feed.
-        Slots 0..B-1 as one batch; rows still in their prompt are dummies (token 0 at a
-        spare position), dropped later."""
         if not decoding:
             self._launched = None
             return
@@ -480,7 +404,7 @@ class ContinuousBatcher:
         engine = self.engine
         cache = engine._cache
         assert cache is not None
-        self._launched = _Launched(engine._decode(cache, tokens, positions), decoding)
+        self._launched = (engine._decode(cache, tokens, positions), decoding)  # [B, V]
         self._feed = (tokens, positions)
         engine.stats.decode_steps += 1
 
@@ -530,7 +454,7 @@ class ContinuousBatcher:
             if block or all(d.done() for d, _ in seq.digests):
                 seq.result.logits_sha256 = [d.row(i) for d, i in seq.digests]
                 self._done.append(Finished(seq.ticket, seq.result, seq.first_token_s,
-                                           tuple(seq.token_times), seq.mixed_tokens))
+                                           tuple(seq.token_times)))
             else:
                 still.append(seq)
         self._retiring = still
@@ -540,10 +464,10 @@ class ContinuousBatcher:
 
 def run_requests(engine: ReferenceEngine, requests: Sequence[GenerationRequest], *,
                  max_batch: int, prefill_chunk: int | None = None,
-                 static: bool = False, mixed: bool = True) -> list[GenerationResult]:
+                 static: bool = False) -> list[GenerationResult]:
     """All requests through one batcher; results in request order."""
     with ContinuousBatcher(engine, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                           static=static, mixed=mixed) as batcher:
+                           static=static) as batcher:
         for request in requests:
             batcher.add(request)
         return [f.result for f in batcher.run()]

@@ -245,23 +245,12 @@ def prefill(
     first) with the decode attention kernel, KV in fixed blocks in a fixed order: a
     position's result depends only on the cache contents up to it, never on where the
     chunk boundaries fell or what else was packed (see ``ops.chunk_attention``).
-
-    A one-token chunk at a sequence's next position is a decode step: the continuous
-    batcher's *mixed* steps pack the running requests' decode tokens so beside the prompt
-    chunks (one forward, not a prefill and a decode). One-token chunks are attended as one
-    decode batch over the cache slots, and in batch-invariant mode a decode row's logits
-    here are the bits ``decode_one_token`` (and the CUDA-graph step) gives it
-    (``tests/engine/test_static_decode.py``).
     """
     cfg = model.config
     scale = cfg.head_dim ** -0.5
     chunks = chunk_table(cu_seqlens, slots, positions)
     whole = all(p0 == 0 for _, _, _, p0 in chunks)      # default mode may use flash SDPA
     fast_whole = whole and not ops.is_batch_invariant()
-    singles = None
-    if not fast_whole:          # one-token chunks (a mixed step's decode rows): one batch
-        chunks, singles = ops.split_single_rows(chunks, cfg.num_key_value_heads,
-                                                tokens.device)
     x = model.embed[tokens]                                               # [T, hidden]
     rope = model.rope(positions)
     for i, layer in enumerate(model.layers):
@@ -273,7 +262,7 @@ def prefill(
             assert k is not None and v is not None
             attn = ops.prefill_attention(q, k, v, cu_seqlens, scale)      # [T, Hq, D]
         else:
-            attn = ops.chunk_attention(q, cache.k[i], cache.v[i], chunks, scale, singles)
+            attn = ops.chunk_attention(q, cache.k[i], cache.v[i], chunks, scale)
         x = x + ops.linear(attn.reshape(x.shape[0], -1), layer.wo, layer.bo)
         x = x + _mlp(layer, ops.rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps))
     last = cu_seqlens[1:].to(torch.int64) - 1                             # [C]

@@ -26,7 +26,6 @@ import contextvars
 import importlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -189,48 +188,9 @@ def prefill_attention(
 _CHUNK_ROWS_PER_CALL = 4096
 
 
-@dataclass(frozen=True)
-class SingleRows:
-    """The one-token chunks of a packed forward (a mixed step's decode rows), attended as
-    one decode batch over cache slots 0..batch-1 instead of one kernel call each."""
-
-    rows: Tensor        # [n] int64: their rows in q
-    slots: Tensor       # [n] int64: their cache slots (distinct)
-    lens: Tensor        # [batch] int32: position + 1 at their slots, 1 at the others
-    batch: int          # highest slot + 1
-
-
-def split_single_rows(
-    chunks: list[tuple[int, int, int, int]], n_kv_heads: int, device: torch.device,
-) -> tuple[list[tuple[int, int, int, int]], SingleRows | None]:
-    """(the other chunks, the one-token chunks as one batch) for ``chunk_attention``.
-
-    Batched only where it pays (two or more, on distinct slots) and the decode kernel's
-    per-(row, KV head) counters need no regrowth (see ``_CHUNK_ROWS_PER_CALL``)."""
-    singles: dict[int, tuple[int, int]] = {}                  # slot -> (row, position)
-    rest = []
-    for chunk in chunks:
-        slot, row, n, p0 = chunk
-        if n == 1 and slot not in singles:
-            singles[slot] = (row, p0)
-        else:
-            rest.append(chunk)
-    batch = max(singles, default=-1) + 1
-    if len(singles) < 2 or batch * n_kv_heads > _CHUNK_ROWS_PER_CALL:
-        return chunks, None
-    lens = [1] * batch
-    for slot, (_, p0) in singles.items():
-        lens[slot] = p0 + 1
-    packed = torch.tensor([*(r for r, _ in singles.values()), *singles, *lens]
-                          ).to(device, non_blocking=True)                 # one copy
-    n = len(singles)
-    return rest, SingleRows(rows=packed[:n], slots=packed[n:2 * n],
-                            lens=packed[2 * n:].to(torch.int32), batch=batch)
-
-
 def chunk_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, chunks: list[tuple[int, int, int, int]],
-    scale: float, singles: SingleRows | None = None,
+    scale: float,
 ) -> Tensor:
     """Causal attention of packed prompt chunks over their slots' KV cache.
 
@@ -243,21 +203,9 @@ def chunk_attention(
     CUDA) combined in a fixed order. A position's output therefore depends only on the
     cache contents up to it: the same whether its prompt was prefilled in one pass, in
     chunks of any size, after a prefix-cache hit, or next to any co-tenant.
-
-    ``singles`` (``split_single_rows``; not in ``chunks``): one-token chunks run as one
-    decode step over slots 0..batch-1, exactly as ``decode_one_token`` runs it (the other
-    slots are dummy rows of length 1, dropped). In batch-invariant mode a row's bits are
-    the same either way (the kernel's result for a row depends only on that row's query,
-    its slot's cache and its length); in the default mode this is the fast decode kernel.
     """
     out = torch.empty_like(q)
     invariant = _BATCH_INVARIANT.get()
-    if singles is not None:
-        b = singles.batch
-        qd = q.new_zeros((b, *q.shape[1:]))                               # [b, Hq, D]
-        qd[singles.slots] = q[singles.rows]
-        o = decode_attention(qd, k_cache[:b], v_cache[:b], singles.lens, scale)
-        out[singles.rows] = o[singles.slots]
     for slot, row, n, p0 in chunks:
         end = p0 + n
         qs = q[row:row + n]                                               # [n, Hq, D]

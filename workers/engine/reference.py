@@ -80,11 +80,9 @@ class GenerateStats:
     batches: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    prefill_s: float = 0.0        # prompts in -> first logits on the device (synced;
-                                  # prompt chunks in mixed forwards count as decode_s)
+    prefill_s: float = 0.0        # prompts in -> first logits on the device (synced)
     decode_s: float = 0.0         # first sampling -> last token known on the host
     decode_steps: int = 0         # model decode steps (the first token comes from prefill)
-    mixed_steps: int = 0          # of them, run in one forward with prompt chunks (mixed)
     digest_wait_s: float = 0.0    # waiting for logits digests after the last step
     total_s: float = 0.0
     prefill_tokens: int = 0       # prompt tokens run through the model (not from the cache)
@@ -107,7 +105,6 @@ class ReferenceEngine:
         model_name: str | None = None, prefill_token_budget: int = 8192,
         static_decode: bool | None = None, cuda_graphs: bool = True,
         prefill_chunk: int | None = None, prefix_cache: PrefixCache | None = None,
-        mixed: bool = True,
     ) -> None:
         torch_dtype(dtype)
         self.model = model
@@ -120,7 +117,6 @@ class ReferenceEngine:
         self.cuda_graphs = cuda_graphs
         self.prefill_chunk = prefill_chunk          # prompt tokens per step (None: whole)
         self.prefix_cache = prefix_cache            # reuse of prompt-prefix KV (None: off)
-        self.mixed = mixed                          # prompt chunks + decodes in one forward
         self.stats = GenerateStats()                # of the last generate call
         self._cache: KVCache | None = None
         self._decoder: StaticDecoder | None = None
@@ -171,17 +167,15 @@ class ReferenceEngine:
         self.stats = GenerateStats()
         began = time.perf_counter()
         results = run_requests(self, requests, max_batch=max_batch,
-                               prefill_chunk=self.prefill_chunk, static=True,
-                               mixed=self.mixed)
+                               prefill_chunk=self.prefill_chunk, static=True)
         self.stats.total_s = time.perf_counter() - began
         return results
 
     def batcher(self, *, max_batch: int, prefill_chunk: int | None = None,
-                static: bool = False, mixed: bool | None = None) -> ContinuousBatcher:
-        """A continuous batch on this engine (requests join and leave at every step);
-        ``mixed`` None: the engine's ``mixed``."""
+                static: bool = False) -> ContinuousBatcher:
+        """A continuous batch on this engine (requests join and leave at every step)."""
         return ContinuousBatcher(self, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                                 static=static, mixed=self.mixed if mixed is None else mixed)
+                                 static=static)
 
     def prefix_mode(self) -> str:
         """What prefix-cache pages are named by, beside the tokens: the kernel mode."""
