@@ -375,6 +375,15 @@ async def _unexpected(_: Request, exc: Exception) -> Response:
     return _problem_response(problem(500, "internal_error", "internal error"))
 
 
+def _add_middleware(app: FastAPI, settings: Settings) -> None:
+    """The single-envelope ingest fast path inside the body limits, shedding and metrics
+    (the last added is the outermost)."""
+    app.add_middleware(envelopes.IngestFastPath)
+    app.add_middleware(BodyLimitAndMetrics, max_body=settings.max_request_bytes,
+                       max_inflight=settings.max_inflight_requests,
+                       max_inflight_bytes=settings.max_inflight_bytes)
+
+
 def add_exception_handlers(app: FastAPI) -> None:
     """Every error becomes RFC 9457 problem+json: ledger errors by their class and code,
     request validation as 422, a lost database as 503 with ``Retry-After``, anything else
@@ -469,8 +478,6 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     for router in ROUTERS:
         app.include_router(router)
     console.mount(app)  # /console and /docs (the reviewer console, #15)
-    app.add_middleware(BodyLimitAndMetrics, max_body=settings.max_request_bytes,
-                       max_inflight=settings.max_inflight_requests,
-                       max_inflight_bytes=settings.max_inflight_bytes)
+    _add_middleware(app, settings)
     _install_openapi(app)
     return app

@@ -59,6 +59,13 @@ def _presented(creds: HTTPAuthorizationCredentials | None) -> str:
     return creds.credentials
 
 
+async def bearer_key(request: Request) -> str:
+    """The API key a request presents (401 ``missing_api_key`` without one), parsed as the
+    routes' ``Depends(_bearer)`` parses it: for :class:`~ledger.api.routes.envelopes.
+    IngestFastPath`, which answers without FastAPI's dependencies."""
+    return _presented(await _bearer(request))
+
+
 def check_role(principal: Principal, permission: str) -> None:
     roles = PERMISSIONS[permission]
     if principal.role not in roles:
