@@ -105,19 +105,12 @@ class AutocommitReads:
         self._conn: Connection | None = None
 
     def fetchall(self, query: str, params: Sequence[Any]) -> list[tuple[Any, ...]]:
-        for attempt in range(2):
-            if self._conn is None:
-                self._conn = self.engine.connect()
-            try:
-                with raw_cursor(self._conn) as cur:
-                    cur.execute(query, params)
-                    return cur.fetchall()
-            except psycopg.OperationalError:
-                self._conn.invalidate()
-                self.release()
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+        def rows(conn: Connection) -> list[tuple[Any, ...]]:
+            with raw_cursor(conn) as cur:
+                cur.execute(query, params)
+                return cur.fetchall()
+
+        return self.run(rows)
 
     def run(self, work: Callable[[Connection], T]) -> T:
         """``work(connection)`` on this object's connection, with :meth:`fetchall`'s one
