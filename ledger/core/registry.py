@@ -27,6 +27,7 @@ from ledger.core.statements import (
     ADMIN_EVENT_KINDS,
     ADMIN_EVENT_PREDICATE_TYPE,
     GATE_EVENT_KIND,
+    MATRIX_EVENT_KIND,
     RETENTION_EVENT_KIND,
     RUN_EVENT_KIND,
     parse_timestamp,
@@ -114,6 +115,8 @@ POLICY_SETTINGS = ("id", "name", "interval_seconds", "sample_size", "sample_rate
                    "created_at", "first_window_start")
 RUN_FIELDS = ("id", "policy_id", "window_start", "window_end", "sampled")
 GATE_FIELDS = ("id", "new_fingerprint", "model_sha256", "baseline_fingerprint", "sampled")
+MATRIX_FIELDS = ("id", "model_sha256", "fingerprints", "cells", "records_sha256", "records",
+                 "tolerance", "requested_by")
 RETENTION_FIELDS = ("id", "name", "channel", "model_sha256", "erase_after_days", "enabled",
                     "created_by", "created_at")
 
@@ -171,9 +174,10 @@ def open_admin_event(env: dsse.Envelope, public_key_for: Callable[[str], bytes]
         _str(pred, name, "predicate")
     if pred["kind"] not in ADMIN_EVENT_KINDS:
         raise RegistryError(f"unknown admin event kind {pred['kind']!r}")
-    if pred["kind"].startswith(("policy.", "gate.", "retention.")):
+    if pred["kind"].startswith(("policy.", "gate.", "retention.", "matrix.")):
         stated = pred.get({RUN_EVENT_KIND: "run", GATE_EVENT_KIND: "gate",
-                           RETENTION_EVENT_KIND: "retention"}.get(pred["kind"], "policy"))
+                           RETENTION_EVENT_KIND: "retention",
+                           MATRIX_EVENT_KIND: "matrix"}.get(pred["kind"], "policy"))
         subject = st.get("subject")
         try:
             digest = subject[0]["digest"]["sha256"]  # type: ignore[index]
@@ -212,6 +216,8 @@ class Registry:
     gates: dict[str, RegisteredRun] = field(default_factory=dict)
     #: retention policies by id (created once; there is no change or deletion of one)
     retention: dict[str, RegisteredRun] = field(default_factory=dict)
+    #: replay matrix runs requested, by run id (the lead job's)
+    matrix_runs: dict[str, RegisteredRun] = field(default_factory=dict)
 
     def apply(self, log_index: int, pred: Mapping[str, Any], *,
               vouched_by: str = "policy") -> None:
@@ -226,6 +232,8 @@ class Registry:
             self._apply_gate(log_index, pred)
         elif kind == RETENTION_EVENT_KIND:
             self._apply_retention(log_index, pred)
+        elif kind == MATRIX_EVENT_KIND:
+            self._apply_matrix(log_index, pred)
         else:
             self._apply_policy(log_index, kind, pred)
 
@@ -296,6 +304,22 @@ class Registry:
         if not isinstance(g["sampled"], int) or g["sampled"] < 0:
             raise RegistryError(f"gate {gid} samples a count")
         self.gates[gid] = RegisteredRun(dict(g), log_index)
+
+    def _apply_matrix(self, log_index: int, pred: Mapping[str, Any]) -> None:
+        m = _fields(pred, "matrix", MATRIX_FIELDS)
+        mid = _str(m, "id", "matrix")
+        if pred["target"] != mid:
+            raise RegistryError("the event's target must be the matrix run's id")
+        if mid in self.matrix_runs:
+            raise RegistryError(f"matrix run {mid} is requested twice (first at log index "
+                                f"{self.matrix_runs[mid].index})")
+        for name in ("fingerprints", "cells"):
+            if not isinstance(m[name], list) or not m[name] or \
+                    not all(isinstance(v, str) for v in m[name]):
+                raise RegistryError(f"matrix run {mid}: {name} is a list of strings")
+        if not isinstance(m["records"], int) or m["records"] < 1:
+            raise RegistryError(f"matrix run {mid} replays a count of records")
+        self.matrix_runs[mid] = RegisteredRun(dict(m), log_index)
 
     def _apply_retention(self, log_index: int, pred: Mapping[str, Any]) -> None:
         r = check_retention_record(pred)

@@ -16,7 +16,10 @@ transparency log, so a review trail is as tamper-evident as the records it revie
   creation, pause, resumption and deletion (``policy:<id>``, digest the SHA-256 of the
   stated policy) and each window the beat claims for it (``reverification_run:<id>``)
   are admin events too, and so is each fingerprint gate it claims (``gate.claimed``), so
-  scheduled re-verification and gates cannot be silenced in the database.
+  scheduled re-verification and gates cannot be silenced in the database; so is each
+  replay matrix run requested (``matrix.requested``: the model, the fingerprints it goes
+  to, the cells, the SHA-256 of the records sampled, who asked), so a run's request
+  cannot be rewritten or planted there either.
 - ``urn:inference-ledger:matrix-run:v1``, signed by the replay worker that ran it (purpose
   ``worker``, like a verdict: it states what that worker measured on its runtime): a
   replay matrix report (``ledger.replay.matrix``); subject: ``matrix_run:<run_id>`` with
@@ -49,9 +52,10 @@ POLICY_EVENT_KINDS = ("policy.created", "policy.paused", "policy.resumed", "poli
 RUN_EVENT_KIND = "policy.window_claimed"
 GATE_EVENT_KIND = "gate.claimed"
 RETENTION_EVENT_KIND = "retention.created"
+MATRIX_EVENT_KIND = "matrix.requested"
 ADMIN_EVENT_KINDS = ("signing_key.registered", "signing_key.revoked", "api_key.created",
                      "api_key.revoked", "api_key.role_changed", *POLICY_EVENT_KINDS,
-                     RUN_EVENT_KIND, GATE_EVENT_KIND, RETENTION_EVENT_KIND)
+                     RUN_EVENT_KIND, GATE_EVENT_KIND, RETENTION_EVENT_KIND, MATRIX_EVENT_KIND)
 
 
 def _subject(request_id: str, envelope_dsse_sha256: str) -> list[dict[str, Any]]:
@@ -174,6 +178,17 @@ def retention_record(*, id: str, name: str, channel: str | None, model_sha256: s
             "created_by": created_by, "created_at": timestamp(created_at)}
 
 
+def matrix_record(*, id: str, model_sha256: str, fingerprints: list[str], cells: list[str],
+                  records: list[tuple[int, str]], tolerance: float | None,
+                  requested_by: str) -> dict[str, Any]:
+    """A replay matrix run's request as its admin event states it: ``records`` (log index,
+    request id) are stated by their SHA-256 (RFC 8785 of the sorted pairs)."""
+    return {"id": id, "model_sha256": model_sha256, "fingerprints": list(fingerprints),
+            "cells": list(cells),
+            "records_sha256": sha256_hex(canonical_json(sorted([i, r] for i, r in records))),
+            "records": len(records), "tolerance": tolerance, "requested_by": requested_by}
+
+
 def record_digest(record: Mapping[str, Any]) -> str:
     """The subject digest of a policy or run admin event: SHA-256 of the record's canonical
     JSON (RFC 8785, as the statement is signed: the same digest after a round trip)."""
@@ -187,7 +202,8 @@ def _admin_body(kind: str, stated: dict[str, Mapping[str, Any] | None]
     field_ = ("key" if kind.startswith("signing_key.") else "api_key"
               if kind.startswith("api_key.") else "run" if kind == RUN_EVENT_KIND
               else "gate" if kind == GATE_EVENT_KIND
-              else "retention" if kind == RETENTION_EVENT_KIND else "policy")
+              else "retention" if kind == RETENTION_EVENT_KIND
+              else "matrix" if kind == MATRIX_EVENT_KIND else "policy")
     given = [name for name, value in stated.items() if value is not None]
     if given != [field_]:
         raise ValueError(f"a {kind} event states its {field_} and nothing else")
@@ -203,7 +219,7 @@ def _admin_body(kind: str, stated: dict[str, Mapping[str, Any] | None]
         target = str(record["id"])
         digest = record_digest(record)
         name = {"policy": "policy", "run": "reverification_run", "gate": "reverification_run",
-                "retention": "retention_policy"}[field_] + f":{target}"
+                "retention": "retention_policy", "matrix": "matrix_run"}[field_] + f":{target}"
     return target, [{"name": name, "digest": {"sha256": digest}}], {field_: dict(record)}
 
 
@@ -213,12 +229,13 @@ def admin_event_statement(*, event_id: str, kind: str, actor: str, at: datetime,
                           policy: Mapping[str, Any] | None = None,
                           run: Mapping[str, Any] | None = None,
                           gate: Mapping[str, Any] | None = None,
-                          retention: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                          retention: Mapping[str, Any] | None = None,
+                          matrix: Mapping[str, Any] | None = None) -> dict[str, Any]:
     if kind not in ADMIN_EVENT_KINDS:
         raise ValueError(f"unknown admin event kind {kind!r}")
     target, subject, body = _admin_body(kind, {"key": key, "api_key": api_key,
                                                "policy": policy, "run": run, "gate": gate,
-                                               "retention": retention})
+                                               "retention": retention, "matrix": matrix})
     return {
         "_type": STATEMENT_TYPE,
         "subject": subject,

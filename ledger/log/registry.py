@@ -36,6 +36,7 @@ from ledger.core.statements import (
     admin_event_statement,
     api_key_record,
     gate_record,
+    matrix_record,
     policy_record,
     retention_record,
     run_record,
@@ -47,6 +48,8 @@ from ledger.db.models import (
     AdminEvent,
     ApiKey,
     LogEntry,
+    ReplayJob,
+    ReplayJobItem,
     RetentionPolicy,
     ReverificationPolicy,
     ReverificationRun,
@@ -77,7 +80,8 @@ def append_admin_event(session: Session, signer: Signer, *, kind: str, actor: st
                        policy: Mapping[str, Any] | None = None,
                        run: Mapping[str, Any] | None = None,
                        gate: Mapping[str, Any] | None = None,
-                       retention: Mapping[str, Any] | None = None) -> AdminEvent:
+                       retention: Mapping[str, Any] | None = None,
+                       matrix: Mapping[str, Any] | None = None) -> AdminEvent:
     """Sign an admin event with the service key and append it as a log leaf; the caller's
     transaction holds the table change it records."""
     if signer.purpose != "ledger":
@@ -86,7 +90,7 @@ def append_admin_event(session: Session, signer: Signer, *, kind: str, actor: st
     at = datetime.now(UTC)
     statement = admin_event_statement(event_id=event_id, kind=kind, actor=actor, at=at,
                                       key=key, api_key=api_key, policy=policy, run=run,
-                                      gate=gate, retention=retention)
+                                      gate=gate, retention=retention, matrix=matrix)
     appended = append_signed(session, "admin_event", event_id, statement, signer)
     pred = statement["predicate"]
     row = AdminEvent(log_index=appended.log_index, event_id=event_id, kind=kind, actor=actor,
@@ -131,6 +135,20 @@ def gate_event(row: ReverificationRun) -> dict[str, Any]:
                        model_sha256=str(d.get("model_sha256")),
                        baseline_fingerprint=str(d.get("baseline_fingerprint")),
                        sampled=row.sampled)
+
+
+def matrix_event(session: Session, job: ReplayJob) -> dict[str, Any]:
+    """What a matrix run's ``matrix.requested`` leaf states, read from its lead job and the
+    records it holds (the run's parts replay the same records)."""
+    params = dict(job.params or {})
+    items = session.execute(select(ReplayJobItem.envelope_index, ReplayJobItem.request_id)
+                            .where(ReplayJobItem.job_id == job.id)).all()
+    return matrix_record(id=str(job.id), model_sha256=str(params.get("model_sha256")),
+                         fingerprints=[str(f) for f in params.get("fingerprints") or []],
+                         cells=[str(c) for c in params.get("cells") or []],
+                         records=[(int(i), str(r)) for i, r in items],
+                         tolerance=params.get("tolerance"),
+                         requested_by=str(params.get("requested_by")))
 
 
 def retention_event(row: RetentionPolicy) -> dict[str, Any]:
@@ -369,6 +387,12 @@ def _policy_problems(session: Session, registry: Registry) -> list[Problem]:
                                    RetentionPolicy.created_at))],
                     registry.retention, missing="creation", verb="creates",
                     noun="retention policy", table="retention_policies")
+    leads = session.scalars(select(ReplayJob).where(
+        ReplayJob.kind == "matrix", ReplayJob.params["matrix_run"].as_string().is_(None))
+        .order_by(ReplayJob.created_at))
+    _against_leaves(problems, [(f"matrix run {j.id}", matrix_event(session, j)) for j in leads],
+                    registry.matrix_runs, missing="request", verb="requests",
+                    noun="matrix run", table="replay_jobs")
     return problems
 
 

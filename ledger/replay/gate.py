@@ -110,7 +110,8 @@ def check_new_fingerprints(engine: Engine, settings: Settings,
                     session, settings, actor="beat (fingerprint gate)", model_sha256=digest,
                     fingerprint_id=fp, records_fingerprint_id=best.fingerprint_id,
                     sample=len(sample), seed=0, cells=[GATE_CELL], tolerance=GATE_TOLERANCE,
-                    run_id=run_id, indices=[(r.log_index, r.request_id) for r in sample])
+                    run_id=run_id, indices=[(r.log_index, r.request_id) for r in sample],
+                    signer=signer)
                 made.append(run_id)
     return made
 

@@ -33,16 +33,17 @@ from ledger.core.envelope import EnvelopeStatement, Limits, parse_statement
 from ledger.core.errors import KeyError_, LedgerError
 from ledger.core.logentry import dsse_digest, log_entry_bytes, verify_record_included
 from ledger.core.note import open_checkpoint
-from ledger.core.statements import matrix_report_bytes, matrix_run_statement
+from ledger.core.statements import MATRIX_EVENT_KIND, matrix_report_bytes, matrix_run_statement
 from ledger.core.states import JOB_FINISHED
 from ledger.db.models import Fingerprint, MatrixRun, ReplayJob, ReplayJobItem, Worker
 from ledger.db.session import raw_cursor
 from ledger.errors import BadRequest, Conflict, NotFound
 from ledger.log import proofs
+from ledger.log.registry import append_admin_event, matrix_event
 from ledger.replay import views
 from ledger.replay.jobs import create_job, live_fingerprints
 from ledger.replay.matrix import DEFAULT_CELLS, parse_cell
-from ledger.replay.records import Signer, append_signed
+from ledger.replay.records import Signer, append_signed, require_signer
 from ledger.replay.trusted import CheckedRecord, RecordChecker, Unverifiable
 from ledger.settings import Settings
 
@@ -247,7 +248,8 @@ def request_matrix_run(session: Session, settings: Settings, *, actor: str,
                        fingerprints: Sequence[str] | str | None = None,
                        tolerance: float | None = None,
                        run_id: uuid.UUID | None = None,
-                       indices: Sequence[tuple[int, str]] | None = None) -> Requested:
+                       indices: Sequence[tuple[int, str]] | None = None,
+                       signer: Signer | None = None) -> Requested:
     """A matrix run: ``sample`` records of the model (recorded on
     ``records_fingerprint_id``, or on any runtime), replayed under each cell by the
     workers of ``fingerprint_id`` (default: the runtime most of the sample was recorded
@@ -256,8 +258,11 @@ def request_matrix_run(session: Session, settings: Settings, *, actor: str,
     fingerprint axis. A retry with the same Idempotency-Key returns the first run (409 for
     another request); the key is unique in the database, so concurrent first requests make
     one run. ``tolerance``/``run_id``/``indices``: a fingerprint gate's (its golden
-    sample; the reports count replays within the tolerance). The caller commits, then
-    publishes ``parts``."""
+    sample; the reports count replays within the tolerance). The request is a
+    ``matrix.requested`` admin event signed by ``signer`` (the service key: 503 without
+    it), in the same transaction as the jobs. The caller commits, then publishes
+    ``parts``."""
+    signer = require_signer(signer, "a matrix run request")
     if fingerprints is not None and fingerprint_id is not None:
         raise BadRequest("give fingerprint_id or fingerprints, not both",
                          code="bad_fingerprints")
@@ -327,6 +332,8 @@ def request_matrix_run(session: Session, settings: Settings, *, actor: str,
                                  settings=settings, tolerance=tolerance, run_id=run_id,
                                  params={**params, "matrix_run": str(lead.id)})
                       for fp in targets[1:]]
+    append_admin_event(session, signer, kind=MATRIX_EVENT_KIND, actor=actor,
+                       matrix=matrix_event(session, lead))
     return Requested(lead, True, parts)
 
 

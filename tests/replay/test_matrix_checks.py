@@ -211,3 +211,70 @@ def test_the_fingerprint_gate_is_decided_by_its_signed_matrix_report(
     with session_scope(stack.db) as s:
         tampered = reverification.report(s, str(run_id), checker)["gate"]
     assert tampered["passed"] is False and "not the one its worker signed" in tampered["reason"]
+
+
+def test_a_matrix_run_request_is_a_signed_leaf_the_audit_holds_its_jobs_to(
+        stack: Stack, tiny_engine: Any) -> None:
+    """``request_matrix_run`` signs a ``matrix.requested`` leaf with the service key in the
+    transaction that makes the jobs (no key: 503, nothing made); an insider who rewrites a
+    run's cells or records, plants a matrix job, or deletes one is named by the audit."""
+    import uuid
+
+    from ledger.db.models import AdminEvent, ReplayJob
+    from ledger.errors import Unavailable
+    from ledger.log.audit import audit
+    from ledger.log.integrator import integrate_all
+    from ledger.replay.matrix_runs import request_matrix_run
+
+    recs = record(tiny_engine, stack.producer, 4, seed=43, prefix="mxr")
+    ingest_all(stack, [r.envelope for r in recs])
+    model = recs[0].statement["predicate"]["artifacts"]["model_sha256"]
+    ask = {"actor": "alice", "model_sha256": model, "fingerprint_id": None,
+           "records_fingerprint_id": None, "sample": 3, "seed": 0, "cells": ["alone"]}
+    with session_scope(stack.db) as s, pytest.raises(Unavailable):
+        request_matrix_run(s, stack.settings, **ask)                          # no signer
+    with session_scope(stack.db) as s:
+        assert s.scalars(select(ReplayJob).where(ReplayJob.kind == "matrix")).all() == []
+    runs = []
+    for seed in (0, 1, 2):
+        with session_scope(stack.db) as s:
+            runs.append(request_matrix_run(s, stack.settings, signer=stack.service,
+                                           **{**ask, "seed": seed}).job.id)
+    with session_scope(stack.db) as s:
+        leaves = {e.target: e.body["matrix"] for e in s.scalars(
+            select(AdminEvent).where(AdminEvent.kind == "matrix.requested"))}
+    assert set(leaves) == {str(r) for r in runs}
+    assert leaves[str(runs[0])]["cells"] == ["alone"] and leaves[str(runs[0])]["records"] == 3
+    assert leaves[str(runs[0])]["requested_by"] == "alice"
+    integrate_all(stack.db, stack.log_signer)
+
+    def matrix_problems() -> list[str]:
+        report = audit(stack.db, stack.settings.log_name, signatures=True, trust=stack.trust)
+        return [p for p in report.problems if "matrix run" in p]
+
+    assert matrix_problems() == []
+    rewritten, repointed, dropped, planted = runs[0], runs[1], runs[2], uuid.uuid4()
+    with _superuser(stack.settings.database_url) as conn:
+        # the cells of a run rewritten: the default kernels, where divergence is expected
+        conn.execute("UPDATE replay_jobs SET params = jsonb_set(params, '{cells}', "
+                     "'[\"kernels:default\"]') WHERE id = %s", (rewritten,))
+        # one record of a run swapped for one it did not sample
+        (index, rid), = conn.execute(
+            "SELECT log_index, request_id FROM envelopes WHERE request_id LIKE 'mxr%%' AND "
+            "request_id NOT IN (SELECT request_id FROM replay_job_items WHERE job_id = %s)",
+            (repointed,)).fetchall()
+        conn.execute("UPDATE replay_job_items SET envelope_index = %s, request_id = %s "
+                     "WHERE job_id = %s AND position = 0", (index, rid, repointed))
+        # a run deleted, and one planted that nobody requested
+        conn.execute("DELETE FROM replay_job_items WHERE job_id = %s", (dropped,))
+        conn.execute("DELETE FROM replay_jobs WHERE id = %s", (dropped,))
+        conn.execute("INSERT INTO replay_jobs (id, fingerprint_id, kind, state, params, "
+                     "created_at) SELECT %s, fingerprint_id, kind, state, "
+                     "params - 'idempotency_key', created_at FROM replay_jobs "
+                     "WHERE id = %s", (planted, rewritten))
+    found = matrix_problems()
+    assert any(f"matrix run {rewritten}" in p and "cells" in p for p in found), found
+    assert any(f"matrix run {repointed}" in p and "records_sha256" in p for p in found), found
+    assert any(f"requests matrix run {dropped}" in p and "replay_jobs lacks" in p
+               for p in found), found
+    assert any(f"matrix run {planted}" in p and "no request leaf" in p for p in found), found

@@ -45,7 +45,7 @@ def create_matrix_run(
         session, settings, actor=actor_of(principal), model_sha256=body.model_sha256,
         fingerprint_id=body.fingerprint_id, records_fingerprint_id=body.records_fingerprint_id,
         sample=body.sample, seed=body.seed, cells=body.cells, idempotency_key=idempotency_key,
-        fingerprints=body.fingerprints)
+        fingerprints=body.fingerprints, signer=request.app.state.service_signer)
     job = requested.job
     if requested.created:
         audit.record(session, principal, "matrix_run.requested", str(job.id),
