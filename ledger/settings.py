@@ -34,7 +34,11 @@ class Settings(BaseSettings):
         "so the API works with only the grants that role has.",
     )
     db_pool_size: int = Field(default=10, ge=1, description="Database connections per "
-                              "process pool.")
+                              "process pool, and as many again as overflow. An API process "
+                              "has three pools (requests; ingest's key reads; the log's "
+                              "proof reads) and the group commit's one connection: up to 6 x "
+                              "this + 1 per `ledger serve` worker process, which PostgreSQL's "
+                              "`max_connections` must allow.")
     broker_url: str = Field(default="redis://127.0.0.1:6379/0",
                             description="Celery broker (Redis, `noeviction`) that carries "
                             "replay jobs to the queues `replay.<fingerprint_id>`.")
