@@ -389,14 +389,20 @@ def _read_with_nodes(reader: TileReader, tiles: list[Tile]
     return dict(zip(tiles, got, strict=True))
 
 
-def _locate(level: int, index: int, size: int) -> tuple[Tile, int, int]:
-    """Where the full subtree (tree ``level``, ``index``) is found in the tree of ``size``:
-    (its tile, its in-tile level j, the offset of its first hash in the tile). A subtree
-    at tree level 8*L + j is the MTH of 2**j consecutive hashes of tile level L."""
+def _coordinates(level: int, index: int) -> tuple[int, int, int, int]:
+    """(tile level L, in-tile level j, tile index, offset of the first hash in the tile)
+    of the full subtree (tree ``level``, ``index``): a subtree at tree level 8*L + j is
+    the MTH of 2**j consecutive hashes of tile level L."""
     tile_level, j = divmod(level, TILE_HEIGHT)
     first = index << j  # index of the subtree's first hash at tree level 8*tile_level
-    n = first >> TILE_HEIGHT
-    return Tile(tile_level, n, tile_width(tile_level, n, size)), j, first & (TILE_WIDTH - 1)
+    return tile_level, j, first >> TILE_HEIGHT, first & (TILE_WIDTH - 1)
+
+
+def _locate(level: int, index: int, size: int) -> tuple[Tile, int, int]:
+    """Where the full subtree (tree ``level``, ``index``) is found in the tree of ``size``:
+    (its tile, its in-tile level j, the offset of its first hash in the tile)."""
+    tile_level, j, n, offset = _coordinates(level, index)
+    return Tile(tile_level, n, tile_width(tile_level, n, size)), j, offset
 
 
 class NodeSlice(NamedTuple):
@@ -423,10 +429,7 @@ def _slices_for(
         for node in _full_subtrees(lo, hi):
             if node in out or (memo is not None and node in memo):
                 continue
-            tile_level, j = divmod(node[0], TILE_HEIGHT)
-            first = node[1] << j
-            n = first >> TILE_HEIGHT
-            offset = first & (TILE_WIDTH - 1)
+            tile_level, j, n, offset = _coordinates(*node)
             tile = made.get((tile_level, n))
             if tile is None:
                 tile = made[(tile_level, n)] = Tile(tile_level, n,

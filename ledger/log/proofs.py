@@ -34,6 +34,7 @@ from ledger.core.note import NoteVerifier, decode_note, open_note, parse_checkpo
 from ledger.core.tiles import (
     TILE_HEIGHT,
     TILE_WIDTH,
+    NodeSlice,
     Tile,
     consistency_proof_and_old_root_from_tiles,
     consistency_proof_slices,
@@ -49,6 +50,7 @@ from ledger.errors import NotFound, StoredTreeMismatch
 from ledger.log.store import (
     SUBTREES,
     PgTileReader,
+    ProofRows,
     StoredCheckpoint,
     database_scope,
     read_for_proof,
@@ -195,6 +197,18 @@ def _verified(build: Callable[[Memo | None], T], check: Callable[[T], None], mem
     return proof
 
 
+def _read(cur: Any, size: int | None, sizes: list[int | None], index: int | None,
+          slices: Callable[[int, Memo], list[NodeSlice]]) -> tuple[str, Memo, ProofRows]:
+    """A proof's one round trip: the checkpoints of ``sizes``, entry ``index`` and the
+    stored hashes ``slices(size, memo)`` names that the process cache lacks, for ``size``
+    (None: the latest this process saw; nothing the first time)."""
+    scope = database_scope(cur)
+    memo = SUBTREES.for_scope(scope)
+    guess = _LATEST.get(scope) if size is None else size
+    want = slices(guess, memo) if guess is not None else []
+    return scope, memo, read_for_proof(cur, sizes, index, want)
+
+
 def inclusion(session: Session | Connection, log_index: int, tree_size: int | None = None, *,
               log_keys: Sequence[NoteVerifier] = ()) -> InclusionReceipt:
     """The inclusion proof of entry ``log_index`` against the checkpoint of ``tree_size``
@@ -202,12 +216,10 @@ def inclusion(session: Session | Connection, log_index: int, tree_size: int | No
     note's signature checked) before it is returned."""
     conn = raw_connection(session)
     with conn.cursor(binary=True) as cur:
-        scope = database_scope(cur)
-        memo = SUBTREES.for_scope(scope)
-        guess = _LATEST.get(scope) if tree_size is None else tree_size
-        want = (inclusion_proof_slices(log_index, guess, memo)
-                if guess is not None and 0 <= log_index < guess else [])
-        rows = read_for_proof(cur, [tree_size], log_index, want)
+        scope, memo, rows = _read(
+            cur, tree_size, [tree_size], log_index,
+            lambda size, memo: inclusion_proof_slices(log_index, size, memo)
+            if 0 <= log_index < size else [])
         cp = signed_checkpoint(_found(_pick(rows.checkpoints, tree_size), tree_size),
                                log_keys)
         if tree_size is None:
@@ -235,12 +247,10 @@ def consistency(session: Session | Connection, old_size: int, new_size: int | No
     the latest), verified as :func:`inclusion` verifies, in one round trip as a rule."""
     conn = raw_connection(session)
     with conn.cursor(binary=True) as cur:
-        scope = database_scope(cur)
-        memo = SUBTREES.for_scope(scope)
-        guess = _LATEST.get(scope) if new_size is None else new_size
-        want = (consistency_proof_slices(old_size, guess, memo)
-                if guess is not None and 0 <= old_size <= guess else [])
-        rows = read_for_proof(cur, [new_size, old_size], None, want)
+        scope, memo, rows = _read(
+            cur, new_size, [new_size, old_size], None,
+            lambda size, memo: consistency_proof_slices(old_size, size, memo)
+            if 0 <= old_size <= size else [])
         new_cp = signed_checkpoint(_found(_pick(rows.checkpoints, new_size), new_size),
                                    log_keys)
         if new_size is None:

@@ -220,6 +220,7 @@ def _gate_decision(session: Session, run: ReverificationRun, out: dict[str, Any]
     fingerprint (checked against its leaf first); a gate claimed before gates were matrix
     runs is decided by its verdicts, as it was."""
     from ledger.replay import matrix_runs
+    from ledger.replay.gate import GATE_TOLERANCE
     from ledger.replay.matrix import gate_decision
     from ledger.settings import get_settings
 
@@ -244,8 +245,8 @@ def _gate_decision(session: Session, run: ReverificationRun, out: dict[str, Any]
         decided.update(passed=False, reason=exc.message)
         return decided
     passed, reason = gate_decision(
-        orjson.loads(report_bytes), tolerance=float(run.details.get("tolerance") or 0.0),
-        expected_records=run.sampled)
+        # the code's tolerance, not the run row's (which the database holds, unsigned)
+        orjson.loads(report_bytes), tolerance=GATE_TOLERANCE, expected_records=run.sampled)
     decided.update(passed=passed, reason=reason)
     return decided
 

@@ -196,8 +196,9 @@ class IngestFastPath:
     solving, which cost a quarter of the server's CPU per envelope on the 2-core VM
     (``benchmarks/ingest_cpu.py``). Its errors take the app's own handlers, found as
     Starlette finds them (by the exception's classes in order), so a request gets the
-    same answer either way (``tests/api/test_ingest.py``). Anything else, ``?wait=true``
-    included, goes to FastAPI, whose route stays the one the OpenAPI document shows."""
+    same answer either way (``tests/api/test_ingest_fast_path.py``). Anything else,
+    ``?wait=true`` included, goes to FastAPI, whose route stays the one the OpenAPI
+    document shows."""
 
     PATH = "/v1/envelopes"
 
