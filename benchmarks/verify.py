@@ -139,18 +139,22 @@ def _sign_range(bounds: tuple[int, int]) -> tuple[int, bytes, bytes]:
     return lo, bytes(leaves), bytes(sigs)
 
 
-def _lines_range(bounds: tuple[int, int]) -> bytes:
-    """Second pass, in a worker: the record lines lo..hi-1 (signatures from the first)."""
+def _lines_range(bounds: tuple[int, int]) -> tuple[bytes, bytes]:
+    """Second pass, in a worker: the record lines lo..hi-1 (signatures from the first)
+    and their line digests (what the manifest's records digest is made of)."""
+    from ledger.core.bundle import dsse_line_digest, record_prefix, record_suffix
+
     lo, hi = bounds
     sigs, tree = _BUILD["sigs"], _BUILD["tree"]
-    out = bytearray()
+    out, digests = bytearray(), bytearray()
     for i in range(lo, hi):
         d = _envelope(i, sigs[64 * i:64 * i + 64]).canonical_bytes()
-        out += (b'{"log_index":%d,"kind":"envelope","ref":"%s","dsse":%s,'
-                b'"inclusion_proof":[%s]}\n' % (
-                    i, _rid(i), d,
-                    b",".join(b'"%s"' % base64.b64encode(h) for h in tree.proof(i))))
-    return bytes(out)
+        prefix = record_prefix(i, "envelope", _rid(i).decode())
+        suffix = record_suffix(b"[%s]" % b",".join(b'"%s"' % base64.b64encode(h)
+                                                   for h in tree.proof(i)))
+        out += b"%s%s%s\n" % (prefix, d, suffix)
+        digests += dsse_line_digest(prefix, hashlib.sha256(d).hexdigest(), suffix)
+    return bytes(out), bytes(digests)
 
 
 def build_bundle(path: Path, n: int, prompt_len: int = 8, output_len: int = 4,
@@ -164,8 +168,9 @@ def build_bundle(path: Path, n: int, prompt_len: int = 8, output_len: int = 4,
     RFC 8785) signed by the same producer key. Two passes: the workers sign each record
     and return its leaf hash and signature (96 bytes a record are kept); the tree and the
     signed checkpoint are made; then the workers write the record lines again from the
-    signatures, with their inclusion proofs, in order, and this process hashes them for
-    the manifest and writes them after a header of known length, which is written last."""
+    signatures, with their inclusion proofs and line digests, in order, and this process
+    folds the digests into the manifest's and writes the lines after a header of known
+    length, which is written last."""
     import multiprocessing as mp
 
     from ledger.core.bundle import FORMAT, header_bytes
@@ -226,13 +231,13 @@ def build_bundle(path: Path, n: int, prompt_len: int = 8, output_len: int = 4,
         pending: deque[Any] = deque()
         for b in bounds:
             if len(pending) >= 2 * procs:
-                blob = pending.popleft().get()
-                digest.update(blob)
+                blob, digests = pending.popleft().get()
+                digest.update(digests)
                 out.write(blob)
             pending.append(pool.apply_async(_lines_range, (b,)))
         while pending:
-            blob = pending.popleft().get()
-            digest.update(blob)
+            blob, digests = pending.popleft().get()
+            digest.update(digests)
             out.write(blob)
         head = header(digest.hexdigest())
         assert len(head) == head_len

@@ -1,18 +1,20 @@
-"""Offline-verifiable export bundles (format ``inference-ledger-bundle/v2``).
+"""Offline-verifiable export bundles (format ``inference-ledger-bundle/v3``; v2 bundles
+are still verified).
 
 A bundle is JSON Lines, every byte of it covered by a signature or a digest the verifier
 checks (docs/transparency-log.md, "Export bundles", is the full specification).
 
 Line 1, the header, is exactly the bytes :func:`header_bytes` makes::
 
-    {"format":"inference-ledger-bundle/v2","manifest":<DSSE>,"records":N}
+    {"format":"inference-ledger-bundle/v3","manifest":<DSSE>,"records":N}
 
 ``manifest`` is a DSSE envelope (canonical form) of an in-toto statement
 ``urn:inference-ledger:bundle:v1`` signed by the ledger's service key; its subject is the
-SHA-256 of every record line (each with its newline) and its predicate holds ``origin``,
-``checkpoint`` (the signed note), ``log_keys``, ``service_keys``, ``keys`` (the database's
-key table, believed only without a trust policy), ``selection``, ``created_at`` and
-``records``. Then one line per record::
+records digest (:func:`records_digest`: in v3 the SHA-256 of every record line's
+:func:`line_digest`, in v2 of every record line with its newline) and its predicate holds
+``origin``, ``checkpoint`` (the signed note), ``log_keys``, ``service_keys``, ``keys``
+(the database's key table, believed only without a trust policy), ``selection``,
+``created_at`` and ``records``. Then one line per record, in canonical form (v3)::
 
     {"log_index":7,"kind":"envelope","ref":"<request_id>","dsse":{<DSSE>},
      "inclusion_proof":["<base64 hash>", ...]}
@@ -26,21 +28,23 @@ against the checkpoint's root. Any failure raises :class:`BundleError` naming th
 the log index and what is wrong.
 
 Verification is one pass (:func:`verify_stream`; :func:`verify_file` for ``ledger
-verify``): the header first, then each line hashed into the manifest's digest, verified
-on its own and dropped, in chunks that worker processes may share; memory does not grow
-with the bundle.
+verify``): the header first, then each line verified on its own and dropped, in chunks
+that worker processes may share, each line's digest taken in bundle order; memory does
+not grow with the bundle. A v3 line's digest binds its DSSE envelope through the SHA-256
+the leaf needs anyway, so it is computed where the line is verified, in parallel; v2's
+one SHA-256 over all the lines was the serial part of parallel verification.
 """
-
 from __future__ import annotations
 
 import base64
 import binascii
 import hashlib
+import io
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from typing import Any
 
 import orjson
 
@@ -58,7 +62,11 @@ from ledger.core.trust import TrustPolicy
 
 _sha256 = hashlib.sha256
 
-FORMAT = "inference-ledger-bundle/v2"
+FORMAT = "inference-ledger-bundle/v3"
+#: The format before v3, still verified: its manifest digests the record lines' bytes in
+#: one SHA-256 stream (see :func:`records_digest`), which only one process can compute.
+FORMAT_V2 = "inference-ledger-bundle/v2"
+FORMATS = frozenset({FORMAT, FORMAT_V2})
 #: Which key purposes may sign each record kind. Dispute events are signed by whoever
 #: caused them: the ledger (reviewer actions, routing) or a worker (replaying, verdict).
 #: Admin events are checked against the service keys (the policy's, or the manifest's).
@@ -112,6 +120,7 @@ class BundleHeader:
     witnesses: list[str] = field(default_factory=list)
     registry: Registry = field(default_factory=Registry)
     tombstones: dict[int, Tombstone] = field(default_factory=dict)
+    format: str = FORMAT
 
 
 @dataclass
@@ -131,19 +140,59 @@ class BundleSummary:
     keys: dict[str, str] = field(default_factory=dict)
 
 
-def header_bytes(records: int, manifest: dsse.Envelope) -> bytes:
+def header_bytes(records: int, manifest: dsse.Envelope, format: str = FORMAT) -> bytes:
     """The one function that makes a bundle's first line (without its newline)."""
     return b'{"format":"%s","manifest":%s,"records":%d}' % (
-        FORMAT.encode(), manifest.canonical_bytes(), records)
+        format.encode(), manifest.canonical_bytes(), records)
 
 
-def records_digest(record_lines: Iterable[bytes]) -> str:
-    """SHA-256 over every record line, each followed by its newline (what the manifest's
-    subject names)."""
+def record_prefix(index: int, kind: str, ref: str, member: bytes = b"dsse") -> bytes:
+    """A record line up to its signed member's value: ``{"log_index":7,"kind":"envelope",
+    "ref":"<id>","dsse":`` (``member`` ``tombstone`` for an erased envelope)."""
+    return b'{"log_index":%d,"kind":"%s","ref":%s,"%s":' % (
+        index, kind.encode(), orjson.dumps(ref), member)
+
+
+def record_suffix(proof_json: bytes) -> bytes:
+    """A record line after its signed member's value (without the newline)."""
+    return b',"inclusion_proof":%s}' % proof_json
+
+
+def dsse_line_digest(prefix: bytes, dsse_sha256: str, suffix: bytes) -> bytes:
+    """The v3 digest of a record line with a ``dsse`` member: SHA-256 of the line with
+    the DSSE envelope replaced by the JSON string of its hex SHA-256 (the ``dsse_sha256``
+    of the record's log entry, which the verifier computes anyway). The envelope's bytes
+    are bound through their digest, so a line is hashed in about a kilobyte, not its
+    whole length; the line must be in canonical form (:func:`record_prefix`, the canonical
+    DSSE bytes, :func:`record_suffix`), so nothing else could spell it."""
+    return _sha256(b'%s"%s"%s' % (prefix, dsse_sha256.encode(), suffix)).digest()
+
+
+def line_digest(line: bytes) -> bytes:
+    """The v3 digest of a record line (:func:`dsse_line_digest`; of a tombstone line, the
+    SHA-256 of the line), computed without verifying anything: for writers of bundles
+    that have only the lines, and for tests."""
+    rec = orjson.loads(line)
+    if "dsse" not in rec:
+        return _sha256(line).digest()
+    cb = dsse.envelope_from_obj(rec["dsse"]).canonical_bytes()
+    return dsse_line_digest(record_prefix(rec["log_index"], rec["kind"], rec["ref"]),
+                            dsse_digest(cb), record_suffix(orjson.dumps(
+                                rec["inclusion_proof"])))
+
+
+def records_digest(record_lines: Iterable[bytes], format: str = FORMAT) -> str:
+    """What the manifest's subject names, hex. v3: SHA-256 over the 32-byte
+    :func:`line_digest` of every record line in order, which worker processes compute
+    for the lines they verify; v2: SHA-256 over every record line, each followed by its
+    newline."""
     h = hashlib.sha256()
     for line in record_lines:
-        h.update(line)
-        h.update(b"\n")
+        if format == FORMAT:
+            h.update(line_digest(line))
+        else:
+            h.update(line)
+            h.update(b"\n")
     return h.hexdigest()
 
 
@@ -193,8 +242,9 @@ def read_header(line: bytes, pinned_log_keys: Sequence[NoteVerifier] | None = No
         head = jsonstrict.loads(line, what="bundle header", max_depth=8)
     except LedgerError as exc:
         raise BundleError(f"line 1: {exc.message}") from exc
-    if not isinstance(head, dict) or head.get("format") != FORMAT:
+    if not isinstance(head, dict) or head.get("format") not in FORMATS:
         raise BundleError(f"line 1: not an {FORMAT} header")
+    fmt = head["format"]
     if set(head) != {"format", "manifest", "records"}:
         raise BundleError("line 1: a header holds exactly format, manifest and records")
     records = head["records"]
@@ -205,7 +255,7 @@ def read_header(line: bytes, pinned_log_keys: Sequence[NoteVerifier] | None = No
     except LedgerError as exc:
         raise BundleError(f"line 1: manifest: {exc.message}") from exc
     _canonical_b64(env, "line 1: manifest")
-    if header_bytes(records, env) != line:
+    if header_bytes(records, env, fmt) != line:
         raise BundleError("line 1: the header is not in canonical form")
     try:
         statement = orjson.loads(env.payload)
@@ -236,7 +286,7 @@ def read_header(line: bytes, pinned_log_keys: Sequence[NoteVerifier] | None = No
         dsse.verify_envelope(env, service_key)
     except LedgerError as exc:
         raise BundleError(f"line 1: manifest signature: {exc.message}") from exc
-    if set(pred) != PREDICATE_FIELDS or pred["format"] != FORMAT:
+    if set(pred) != PREDICATE_FIELDS or pred["format"] != fmt:
         raise BundleError("line 1: the manifest predicate is not a bundle manifest")
     subject = statement.get("subject")
     try:
@@ -277,10 +327,13 @@ def read_header(line: bytes, pinned_log_keys: Sequence[NoteVerifier] | None = No
             raise BundleError(f"checkpoint: {exc.message}") from exc
     keys = {} if trust is not None else _key_table(pred["keys"])
     return BundleHeader(origin, cp, note_bytes, keys, records, pred, source, records_sha256,
-                        service_keys, witnesses)
+                        service_keys, witnesses, format=fmt)
 
 
-def _verify(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str, Any]:
+def _verify(line: bytes, line_no: int, header: BundleHeader
+            ) -> tuple[int, str, Any, bytes | None]:
+    """(log index, kind, what an admin or erasure record states, the line's v3 digest or
+    None in a v2 bundle)."""
     where = f"line {line_no}"
     # orjson rather than the strict reader: nothing on a record line is trusted until it
     # verifies cryptographically (signature, inclusion, the manifest's digest), and this
@@ -290,7 +343,7 @@ def _verify(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str, 
     except orjson.JSONDecodeError as exc:
         raise BundleError(f"{where}: not valid JSON: {exc}") from exc
     if isinstance(rec, dict) and set(rec) == TOMBSTONE_RECORD_FIELDS:
-        return _verify_tombstone(rec, where, header)
+        return _verify_tombstone(line, rec, where, header)
     if not isinstance(rec, dict) or set(rec) != RECORD_FIELDS:
         raise BundleError(f"{where}: not a bundle record")
     index, kind, ref = rec["log_index"], rec["kind"], rec["ref"]
@@ -327,14 +380,20 @@ def _verify(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str, 
         items = rec["inclusion_proof"]
         if not isinstance(items, list):
             raise BundleError("inclusion_proof must be a list")
-        entry = log_entry_bytes(kind, ref, dsse_digest(env.canonical_bytes()))
+        canonical = env.canonical_bytes()
+        hex_digest = dsse_digest(canonical)
+        entry = log_entry_bytes(kind, ref, hex_digest)
         proven_nodes(header.checkpoint.size, header.checkpoint.root_hash).check(
             leaf_hash(entry), index, items)
+        digest = None if header.format == FORMAT_V2 else _canonical_line_digest(
+            line, record_prefix(index, kind, ref), canonical,
+            record_suffix(orjson.dumps(items)), hex_digest)
         if kind == "admin_event":
             event = open_admin_event(env, key_for)
-            return index, kind, event.predicate
+            return index, kind, event.predicate, digest
         if kind == "erasure":
-            return index, kind, erasure_record(erasure_predicate(env.payload), (), index)
+            return (index, kind, erasure_record(erasure_predicate(env.payload), (), index),
+                    digest)
         if kind == "matrix_run":
             matrix_run_digest(payload)   # the report hashes to the digest it signs
     except BundleError as exc:
@@ -342,20 +401,36 @@ def _verify(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str, 
     except (LedgerError, ValueError, TypeError, KeyError, orjson.JSONDecodeError) as exc:
         message = exc.message if isinstance(exc, LedgerError) else str(exc)
         raise BundleError(f"{where}: {message}") from exc
-    return index, kind, None
+    return index, kind, None, digest
 
 
-def verify_record(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str]:
+def _canonical_line_digest(line: bytes, prefix: bytes, canonical: bytes, suffix: bytes,
+                           hex_digest: str) -> bytes:
+    """:func:`dsse_line_digest` of ``line``, which must be exactly ``prefix``, the
+    canonical DSSE bytes and ``suffix``. (``line`` may be a memoryview of a slot: copied
+    to bytes first, since a memoryview compares byte by byte in Python, 30 times slower
+    than the copy.)"""
+    data = line if isinstance(line, bytes) else bytes(line)
+    n, m = len(prefix), len(canonical)
+    if (len(data) != n + m + len(suffix) or not data.startswith(prefix)
+            or not data.startswith(canonical, n) or not data.endswith(suffix)):
+        raise BundleError("the record line is not in canonical form (a v3 bundle binds "
+                          "each line's exact bytes)")
+    return dsse_line_digest(prefix, hex_digest, suffix)
+
+
+def verify_record(line: bytes, line_no: int, header: BundleHeader
+                  ) -> tuple[int, str, bytes | None]:
     """Verify one record line (not an admin event: see :func:`add_admin_event`); returns
-    (log_index, kind)."""
-    index, kind, _ = _verify(line, line_no, header)
+    (log_index, kind, the line's v3 digest or None in a v2 bundle)."""
+    index, kind, _, digest = _verify(line, line_no, header)
     if kind in FIRST_KINDS:
         raise BundleError(f"line {line_no}: {kind} records must come first")
-    return index, kind
+    return index, kind, digest
 
 
-def _verify_tombstone(rec: dict[str, Any], where: str, header: BundleHeader
-                      ) -> tuple[int, str, Any]:
+def _verify_tombstone(line: bytes, rec: dict[str, Any], where: str, header: BundleHeader
+                      ) -> tuple[int, str, Any, bytes | None]:
     """An erased envelope: an erasure record of the bundle (verified before, signed by a
     service key) must state this tombstone; the leaf is rebuilt from it (request ID and
     digest) and its inclusion proof checked, so the proofs of erased records still hold."""
@@ -378,7 +453,9 @@ def _verify_tombstone(rec: dict[str, Any], where: str, header: BundleHeader
     except (LedgerError, TypeError) as exc:
         message = exc.message if isinstance(exc, LedgerError) else str(exc)
         raise BundleError(f"{where}: {message}") from exc
-    return index, "erased_envelope", None
+    # v3: a tombstone line is small and has no DSSE to stand for it: hashed whole
+    return (index, "erased_envelope", None,
+            None if header.format == FORMAT_V2 else _sha256(line).digest())
 
 
 def is_admin_event(line: bytes) -> bool:
@@ -390,14 +467,16 @@ def is_admin_event(line: bytes) -> bool:
     return isinstance(rec, dict) and rec.get("kind") in FIRST_KINDS
 
 
-def add_admin_event(line: bytes, line_no: int, header: BundleHeader) -> tuple[int, str]:
+def add_admin_event(line: bytes, line_no: int, header: BundleHeader
+                    ) -> tuple[int, str, bytes | None]:
     """Verify an admin_event record and fold it into the header's key registry: the keys
-    it registers sign the records after it (with a trust policy, only those)."""
-    index, kind, pred = _verify(line, line_no, header)
+    it registers sign the records after it (with a trust policy, only those). Returns
+    (log_index, kind, the line's v3 digest or None in a v2 bundle)."""
+    index, kind, pred, digest = _verify(line, line_no, header)
     if kind == "erasure":
         for t_index, tomb in pred.tombstones.items():
             header.tombstones.setdefault(t_index, tomb)
-        return index, kind
+        return index, kind, digest
     if kind != "admin_event":
         raise BundleError(f"line {line_no}: not an admin_event record")
     try:
@@ -409,7 +488,7 @@ def add_admin_event(line: bytes, line_no: int, header: BundleHeader) -> tuple[in
         header.keys[registered.keyid] = BundleKey(
             registered.public_key, registered.purpose, registered.registered_index,
             registered.revoked_index)
-    return index, kind
+    return index, kind, digest
 
 
 def _payload_ref(kind: str, payload: Any) -> str | None:
@@ -515,7 +594,7 @@ def proven_nodes(size: int, root: bytes) -> ProvenNodes:
     return found
 
 
-ChunkResult = list[tuple[int, str, int]]
+ChunkResult = list[tuple[int, str, int, bytes | None]]
 #: Record lines per unit of parallel work, and the most bytes one unit holds.
 CHUNK_LINES = 2_000
 CHUNK_BYTES = 4 * 1024 * 1024
@@ -532,7 +611,11 @@ SLOT_SLACK = 1024 * 1024
 def verify_chunk(args: tuple[BundleHeader, list[tuple[int, bytes]]]) -> ChunkResult:
     """Verify record lines against an opened header (a unit of parallel work)."""
     header, lines = args
-    return [(*verify_record(line, n, header), n) for n, line in lines]
+    out: ChunkResult = []
+    for n, line in lines:
+        index, kind, digest = verify_record(line, n, header)
+        out.append((index, kind, n, digest))
+    return out
 
 
 _WORKER_HEADER: BundleHeader | None = None
@@ -651,10 +734,12 @@ def verify_stream(lines: Iterable[bytes], *, trust: TrustPolicy | None = None,
 
     The header is opened first; the admin_event records (the key registry) are verified
     in order in this process, since each may change which keys sign the rest; every other
-    record line is hashed into the manifest's digest here and verified in chunks, in this
-    process (``processes`` 1) or in a pool of ``processes`` worker processes with at most
-    :data:`IN_FLIGHT_PER_PROCESS` chunks per worker queued. Results are taken in bundle
-    order, so the first bad line reported is the same whatever ``processes`` is. Each
+    record line is verified in chunks, in this process (``processes`` 1) or in a pool of
+    ``processes`` worker processes with at most :data:`IN_FLIGHT_PER_PROCESS` chunks per
+    worker queued. Results are taken in bundle order, so the first bad line reported is
+    the same whatever ``processes`` is, and each line's v3 digest (computed where the line
+    is verified) goes into the manifest's digest in that order; a v2 bundle's lines are
+    hashed whole here as they are read. Each
     record carries its own inclusion proof against the header's checkpoint, so nothing
     about one record needs another."""
     it = iter(lines)
@@ -671,9 +756,13 @@ def verify_stream(lines: Iterable[bytes], *, trust: TrustPolicy | None = None,
     batch: list[tuple[int, bytes]] = []
     batch_bytes = 0
 
+    whole_lines = header.format == FORMAT_V2  # v2: this process hashes every line
+
     def take(res: ChunkResult) -> None:
-        for index, kind, n in res:
+        for index, kind, n, line_digest in res:
             add_record(summary, seen, index, kind, n)
+            if line_digest is not None:
+                digest.update(line_digest)
         if on_records is not None:
             on_records(len(res))
 
@@ -708,12 +797,15 @@ def verify_stream(lines: Iterable[bytes], *, trust: TrustPolicy | None = None,
         for n, line in enumerate(it, start=2):
             if not line or line.isspace():  # what ``not line.strip()`` says, without a copy
                 raise BundleError(f"line {n}: empty line")
-            digest.update(line)
-            digest.update(b"\n")
+            if whole_lines:
+                digest.update(line)
+                digest.update(b"\n")
             if admin_phase:
                 if is_admin_event(line):
-                    index, kind = add_admin_event(line, n, header)
+                    index, kind, line_digest = add_admin_event(line, n, header)
                     add_record(summary, seen, index, kind, n)
+                    if line_digest is not None:
+                        digest.update(line_digest)
                     admins += 1
                     continue
                 admin_phase = False
@@ -790,26 +882,43 @@ def verify_bundle(data: bytes, **kwargs: Any) -> BundleSummary:
     return verify_lines(lines, **kwargs)
 
 
-def iter_lines(fh: BinaryIO, block: int = 1024 * 1024) -> Iterator[bytes]:
-    """The lines of a bundle file without their newlines, read in blocks; the file must end
-    with a newline (checked as the last line is reached: see :func:`verify_file`)."""
-    rest = b""
-    while True:
-        data = fh.read(block)
-        if not data:
-            break
-        buf = rest + data if rest else data
-        start = 0
+def iter_lines(fh: io.BufferedIOBase, block: int = 1024 * 1024) -> Iterator[bytes]:
+    """The lines of a bundle file without their newlines, read in blocks into one buffer
+    (no allocation per block, and the unfinished line at a block's end moved to the
+    front, not the whole block copied: reading was most of the main process's work in
+    parallel verification); the file must end with a newline (checked as the last line
+    is reached: see :func:`verify_file`). A line longer than the buffer grows it, up to
+    :data:`MAX_LINE_BYTES`."""
+    buf = bytearray(block)
+    view = memoryview(buf)
+    have = 0  # bytes of an unfinished line at the front of the buffer (no newline in them)
+    try:
         while True:
-            end = buf.find(b"\n", start)
-            if end < 0:
+            if have == len(buf):
+                if have > MAX_LINE_BYTES:
+                    raise BundleError(f"a line of the bundle is longer than {MAX_LINE_BYTES} "
+                                      "bytes")
+                view.release()
+                buf.extend(bytes(len(buf)))
+                view = memoryview(buf)
+            got = fh.readinto(view[have:])
+            if not got:
                 break
-            yield buf[start:end]
-            start = end + 1
-        rest = buf[start:]
-        if len(rest) > MAX_LINE_BYTES:
-            raise BundleError(f"a line of the bundle is longer than {MAX_LINE_BYTES} bytes")
-    if rest:
+            end = have + got
+            start, find = 0, buf.find
+            pos = find(b"\n", have, end)
+            while pos >= 0:
+                yield bytes(view[start:pos])
+                start = pos + 1
+                pos = find(b"\n", start, end)
+            have = end - start
+            if start and have:
+                view[:have] = view[start:end]  # memmove: the ranges may overlap
+            if have > MAX_LINE_BYTES:
+                raise BundleError(f"a line of the bundle is longer than {MAX_LINE_BYTES} bytes")
+    finally:
+        view.release()
+    if have:
         raise BundleError("the bundle does not end with a newline (truncated?)")
 
 

@@ -26,7 +26,13 @@ import orjson
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
-from ledger.core.bundle import FORMAT, header_bytes
+from ledger.core.bundle import (
+    FORMAT,
+    dsse_line_digest,
+    header_bytes,
+    record_prefix,
+    record_suffix,
+)
 from ledger.core.keys import public_raw
 from ledger.core.note import format_verifier_key
 from ledger.core.sealing import KeyEncryptionKey
@@ -196,27 +202,36 @@ def _spooled(engine: Engine, selection: Selection, signer: Signer | None,
             proof_json = proofs.proof_json
             opener = Opener(conn.cursor(), kek)
             batch: list[bytes] = []
+            digests: list[bytes] = []  # each line's (v3: see ledger.core.bundle.line_digest)
             for n, (kind, query) in enumerate(parts):
                 args = {"admin_event": [cp.tree_size], "erasure": [cp.tree_size],
                         "matrix_run": [cp.tree_size], "envelope": params}.get(
                             kind, [*params, cp.tree_size])
-                line = (b'{"log_index":%d,"kind":"' + kind.encode()
-                        + b'","ref":%s,%s":%s,"inclusion_proof":%s}\n')
                 with conn.cursor(name=f"export_{n}", binary=True) as rows:
                     rows.itersize = 2000
                     rows.execute(f"{query} ORDER BY 1", args)
                     for log_index, ref, dsse_bytes, *dsse_sha256 in rows:
                         # binary rows: bytea is bytes already, text is str
-                        name, member = b'"dsse', dsse_bytes
+                        name, member = b"dsse", dsse_bytes
                         if dsse_sha256:  # an envelope: open it, or its tombstone if erased
                             name, member = _envelope_member(opener, dsse_bytes,
                                                             dsse_sha256[0], log_index)
-                        batch.append(line % (log_index, orjson.dumps(ref), name, member,
-                                             proof_json(log_index)))  # one copy of the DSSE
+                        prefix = record_prefix(log_index, kind, ref, name)
+                        suffix = record_suffix(proof_json(log_index))
+                        line = b"%s%s%s\n" % (prefix, member, suffix)  # one copy of the DSSE
+                        if name == b"dsse":
+                            # the stored digest of an envelope's bytes (a wrong one makes
+                            # a bundle that ``ledger verify`` refuses, not a false one)
+                            hex_digest = (dsse_sha256[0].hex() if dsse_sha256
+                                          else hashlib.sha256(member).hexdigest())
+                            digests.append(dsse_line_digest(prefix, hex_digest, suffix))
+                        else:
+                            digests.append(hashlib.sha256(line[:-1]).digest())
+                        batch.append(line)
                         if len(batch) >= _BATCH:
-                            spooler.add(batch)
-                            batch = []
-            spooler.add(batch)
+                            spooler.add(batch, digests)
+                            batch, digests = [], []
+            spooler.add(batch, digests)
             count, records_sha256 = spooler.finish()
             manifest = {
                 "format": FORMAT, "origin": origin, "checkpoint": cp.note.decode(),
@@ -234,26 +249,28 @@ def _spooled(engine: Engine, selection: Selection, signer: Signer | None,
 
 
 class _Spooler:
-    """Records on their way to the spool file, hashed as they go, in a thread of its
-    own: SHA-256 and the file's writes release the GIL, so they overlap the formatting
-    of the next records and the database's fetches (a third of an export's time when
-    done in line). At most a few batches wait; an error in the thread is raised in the
-    caller's next call."""
+    """Records on their way to the spool file, in a thread of its own, their line
+    digests folded into the records digest as they go: the file's writes release the
+    GIL, so they overlap the formatting of the next records and the database's fetches.
+    At most a few batches wait; an error in the thread is raised in the caller's next
+    call."""
 
     def __init__(self, file: Any) -> None:
         self.file = file
         self.digest = hashlib.sha256()
         self.count = 0
-        self._queue: queue.Queue[list[bytes] | None] = queue.Queue(maxsize=8)
+        self._queue: queue.Queue[tuple[list[bytes], list[bytes]] | None] = queue.Queue(
+            maxsize=8)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="export-spool", daemon=True)
         self._thread.start()
 
-    def add(self, batch: list[bytes]) -> None:
-        """Spool ``batch`` (the caller gives it up: it is written later)."""
+    def add(self, batch: list[bytes], digests: list[bytes]) -> None:
+        """Spool ``batch``, record lines, and their line digests (the caller gives both
+        up: they are written later)."""
         self._raise()
         self.count += len(batch)
-        self._queue.put(batch)
+        self._queue.put((batch, digests))
 
     def finish(self) -> tuple[int, str]:
         """Wait for everything to be written: (records, SHA-256 of them, hex)."""
@@ -262,12 +279,12 @@ class _Spooler:
         return self.count, self.digest.hexdigest()
 
     def _run(self) -> None:
-        while (batch := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
             if self._error is None:
                 try:
-                    blob = b"".join(batch)
-                    self.digest.update(blob)
-                    self.file.write(blob)
+                    batch, digests = item
+                    self.digest.update(b"".join(digests))
+                    self.file.write(b"".join(batch))
                 except BaseException as exc:  # noqa: BLE001 - raised in the caller
                     self._error = exc
 
@@ -289,13 +306,13 @@ class _Spooler:
 
 def _envelope_member(opener: Opener, stored: bytes, digest: bytes,
                      log_index: int) -> tuple[bytes, bytes]:
-    """(member name, value): ``"dsse`` and the DSSE bytes (opened where encrypted at
-    rest), or ``"tombstone`` and its JSON for an erased envelope."""
+    """(member name, value): ``dsse`` and the DSSE bytes (opened where encrypted at
+    rest), or ``tombstone`` and its JSON for an erased envelope."""
     try:
-        return b'"dsse', opener.open(stored, digest, log_index)
+        return b"dsse", opener.open(stored, digest, log_index)
     except ErasedContent as erased:
         if erased.tombstone is None:
             raise Conflict(f"the envelope at log index {log_index} is unreadable: "
                            f"{erased.reason}; run `ledger audit`",
                            code="unreadable_record") from None
-        return b'"tombstone', orjson.dumps(erased.tombstone.served())
+        return b"tombstone", orjson.dumps(erased.tombstone.served())

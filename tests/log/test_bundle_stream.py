@@ -1,5 +1,5 @@
-"""`ledger verify` reads a bundle as a stream (issue 17): a record line is read, hashed into
-the manifest's digest, verified and dropped, in chunks spread over worker processes. These
+"""`ledger verify` reads a bundle as a stream (issue 17): a record line is read, verified,
+its digest taken into the manifest's and dropped, in chunks spread over worker processes. These
 tests pin that a bundle refused before is refused now with the same message, in one
 process or two, wherever in the stream the fault is, and that the result does not depend
 on the number of processes or the chunk size.
@@ -98,13 +98,75 @@ def test_a_tampered_record_in_the_middle_is_refused_the_same_way(bundle: Exporte
     both = write(bundle.tmp / "both.jsonl",
                  [*lines[:middle], orjson.dumps(rec), *lines[middle + 1:-1], b"", lines[-1]])
     assert refusals(both, bundle) == messages
-    # the same record spelled otherwise (whitespace) verifies on its own but is not the
-    # bytes the manifest signs
+    # the same record spelled otherwise (whitespace, another key order) verifies on its
+    # own but is not the bytes the manifest binds: a v3 line must be canonical
     rec = orjson.loads(lines[middle])
-    respelled = write(bundle.tmp / "respelled.jsonl",
-                      [*lines[:middle], orjson.dumps(rec, option=orjson.OPT_INDENT_2)
-                       .replace(b"\n", b""), *lines[middle + 1:]])
-    assert set(refusals(respelled, bundle)) == {
+    for respelling in (orjson.dumps(rec, option=orjson.OPT_INDENT_2).replace(b"\n", b""),
+                       orjson.dumps(dict(reversed(list(rec.items())))),
+                       lines[middle].replace(b',"inclusion_proof":[',
+                                             b',"inclusion_proof":[ ')):
+        respelled = write(bundle.tmp / "respelled.jsonl",
+                          [*lines[:middle], respelling, *lines[middle + 1:]])
+        assert set(refusals(respelled, bundle)) == {
+            f"line {middle + 1} (log index {rec['log_index']}, envelope {rec['ref']}): the "
+            "record line is not in canonical form (a v3 bundle binds each line's exact "
+            "bytes)"}
+
+
+def test_the_records_digest_is_of_the_line_digests_and_v2_bundles_still_verify(
+        bundle: Exported) -> None:
+    """v3's manifest names SHA-256 over each record line's digest (its DSSE replaced by
+    the DSSE's SHA-256), computed where each line is verified; a v2 bundle (one SHA-256
+    over the lines' bytes) of the same records, signed by the same service key, verifies
+    the same way in one process or two, and a change to a line's bytes fails it too."""
+    import hashlib
+
+    from ledger.core import bundle as b
+    from ledger.core.dsse import envelope_from_obj
+    from ledger.producer import sign_statement
+    from ledger.replay.records import Signer
+
+    lines = bundle.bundle.read_bytes().split(b"\n")[:-1]
+    head = orjson.loads(lines[0])
+    assert head["format"] == b.FORMAT == "inference-ledger-bundle/v3"
+    statement = orjson.loads(envelope_from_obj(head["manifest"]).payload)
+    named = statement["subject"][0]["digest"]["sha256"]
+    assert named == b.records_digest(lines[1:])
+    assert named == hashlib.sha256(b"".join(b.line_digest(x) for x in lines[1:])).hexdigest()
+    rec = orjson.loads(lines[5])
+    dsse_hex = hashlib.sha256(orjson.dumps(rec["dsse"])).hexdigest()
+    assert b.line_digest(lines[5]) == hashlib.sha256(
+        lines[5].replace(orjson.dumps(rec["dsse"]), b'"%s"' % dsse_hex.encode())).digest()
+
+    service = Signer.from_file(bundle.tmp / "service.pem", "ledger", "x")
+    assert service is not None
+
+    def v2(record_lines: list[bytes]) -> bytes:
+        pred = {**statement["predicate"], "format": b.FORMAT_V2}
+        st = {**statement, "predicate": pred,
+              "subject": [{"name": "records", "digest": {
+                  "sha256": b.records_digest(record_lines, b.FORMAT_V2)}}]}
+        return b.header_bytes(len(record_lines), sign_statement(st, service.key),
+                              b.FORMAT_V2)
+
+    old = write(bundle.tmp / "v2.jsonl", [v2(lines[1:]), *lines[1:]])
+    first = dataclasses.asdict(verify_file(bundle.bundle, trust=bundle.policy))
+    for p in (1, 2):
+        assert dataclasses.asdict(verify_file(old, trust=bundle.policy, processes=p,
+                                              chunk=2)) == first
+    # v2 binds the bytes of the lines whole: a respelled line fails the digest there
+    respelled = orjson.dumps(orjson.loads(lines[5]), option=orjson.OPT_INDENT_2)
+    old_respelled = write(bundle.tmp / "v2-respelled.jsonl",
+                          [v2(lines[1:]), *lines[1:5], respelled.replace(b"\n", b""),
+                           *lines[6:]])
+    assert set(refusals(old_respelled, bundle)) == {
+        "the records are not those the manifest signs (digest mismatch)"}
+    # a v2 header over v3 digests, or the reverse, names the wrong digest
+    mixed = write(bundle.tmp / "v2-header-v3-digest.jsonl", [
+        b.header_bytes(len(lines) - 1, sign_statement(
+            {**statement, "predicate": {**statement["predicate"], "format": b.FORMAT_V2}},
+            service.key), b.FORMAT_V2), *lines[1:]])
+    assert set(refusals(mixed, bundle)) == {
         "the records are not those the manifest signs (digest mismatch)"}
 
 
