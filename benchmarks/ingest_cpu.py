@@ -12,6 +12,7 @@ py-spy profile (``--format raw``, collapsed stacks) of the single-envelope phase
 from __future__ import annotations
 
 import argparse
+import shutil
 import subprocess
 import sys
 import time
@@ -27,15 +28,20 @@ from benchmarks.ingest import _http_batch, _http_single, batch_bodies, make_enve
 
 def tree_cpu(pid: int) -> float:
     """User + system seconds of ``pid`` and its children."""
+    return sum(tree_cpu_split(pid))
+
+
+def tree_cpu_split(pid: int) -> tuple[float, float]:
+    """(user, system) seconds of ``pid`` and its children."""
     root = psutil.Process(pid)
-    total = 0.0
+    user = system = 0.0
     for p in [root, *root.children(recursive=True)]:
         try:
             t = p.cpu_times()
         except psutil.NoSuchProcess:
             continue
-        total += t.user + t.system
-    return total
+        user, system = user + t.user, system + t.system
+    return user, system
 
 
 def main() -> None:
@@ -45,6 +51,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=100)
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--py-spy", type=Path, help="record the single phase to this file")
+    ap.add_argument("--py-spy-rate", type=int, default=200, help="samples per second")
+    ap.add_argument("--py-spy-gil", action=argparse.BooleanOptionalAction, default=True,
+                    help="sample only the thread holding the GIL (--no-py-spy-gil: all)")
     args = ap.parse_args()
 
     from ledger.core.keys import private_pem
@@ -64,21 +73,24 @@ def main() -> None:
             spy = None
             if args.py_spy:
                 spy = subprocess.Popen(
-                    ["/tmp/pyspy/bin/py-spy", "record", "--subprocesses", "--format", "raw",
-                     "--rate", "200", "--gil", "-o", str(args.py_spy), "--pid", str(pid)],
+                    [shutil.which("py-spy") or "py-spy", "record", "--subprocesses",
+                     "--format", "raw", "--rate", str(args.py_spy_rate),
+                     *(["--gil"] if args.py_spy_gil else []),
+                     "-o", str(args.py_spy), "--pid", str(pid)],
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 time.sleep(1.0)
-            c0 = tree_cpu(pid)
+            u0, s0 = tree_cpu_split(pid)
             wall, _ = run_parallel(_http_single, [
                 (server.base_url, keys["ingester"], singles[50 + i::args.clients])
                 for i in range(args.clients)])
-            c1 = tree_cpu(pid)
+            u1, s1 = tree_cpu_split(pid)
             if spy is not None:
                 spy.send_signal(2)
                 spy.wait(30)
             n = args.single
             print(f"single: {n} POSTs, {args.clients} clients, {n / wall:,.0f}/s, "
-                  f"server CPU {1000 * (c1 - c0) / n:.2f} ms per request")
+                  f"server CPU {1000 * (u1 + s1 - u0 - s0) / n:.2f} ms per request "
+                  f"(user {1000 * (u1 - u0) / n:.2f}, system {1000 * (s1 - s0) / n:.2f})")
             if batches:
                 c0 = tree_cpu(pid)
                 wall, _ = run_parallel(_http_batch, [
