@@ -426,12 +426,16 @@ def runs_page(request: Request, kind: Literal["", "policy", "gate"] = "",
 @router.get("/matrix-runs")
 def matrix_list_page(request: Request,
                      user: sessions.ConsoleUser = Depends(signed_in("matrix:read")),
-                     session: Session = Depends(get_session)) -> Response:
-    """Matrix runs, newest first (requested ones and fingerprint gates), each linked to its
-    page, where its signed reports are checked before they are shown."""
+                     session: Session = Depends(get_session),
+                     settings: Settings = Depends(get_settings_dep)) -> Response:
+    """Matrix runs, newest first (requested ones and fingerprint gates), each checked
+    against its signed request (one that is not vouched for says why, in place of its
+    fields) and linked to its page, where its signed reports are checked before they are
+    shown."""
     from ledger.replay import matrix_runs
 
-    return page(request, "matrix_runs.html", user, runs=matrix_runs.list_matrix_runs(session))
+    return page(request, "matrix_runs.html", user, runs=matrix_runs.list_matrix_runs(
+        session, matrix_runs.checker_for(settings)))
 
 
 @router.get("/matrix-runs/{run_id}")

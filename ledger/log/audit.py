@@ -69,7 +69,7 @@ from ledger.core.tiles import (
 )
 from ledger.core.trust import TrustPolicy
 from ledger.db.session import session_scope
-from ledger.log.registry import _trusted_signers, vouched_keys
+from ledger.log.registry import trusted_signers, vouched_keys
 from ledger.log.signer import log_verifiers
 from ledger.log.witnessing import audit_cosignatures, stored_cosignature_lines
 from ledger.privacy.audit import ErasureState, Opened, erasure_state
@@ -552,7 +552,7 @@ def _audit(engine: Engine, origin: str, against: Iterable[tuple[str, bytes]],
         erasures: ErasureState | None = None
         if any(k.kind == "envelope" for k in kinds):
             with conn.cursor() as cur:
-                erasures = erasure_state(cur, _trusted_signers(session, trust)[0], kek)
+                erasures = erasure_state(cur, trusted_signers(session, trust)[0], kek)
         with conn.cursor() as cur:
             cur.execute("SELECT tree_size, root_hash, note FROM checkpoints "
                         "WHERE tree_size >= %s ORDER BY tree_size", (start,))

@@ -33,6 +33,7 @@ from ledger.core.registry import (
     open_admin_event,
 )
 from ledger.core.statements import (
+    MATRIX_EVENT_KIND,
     admin_event_statement,
     api_key_record,
     gate_record,
@@ -158,6 +159,30 @@ def retention_event(row: RetentionPolicy) -> dict[str, Any]:
                             created_by=row.created_by, created_at=row.created_at)
 
 
+def _signed_leaf(session: Session, kind: str, target: str, trusted: Mapping[str, bytes]
+                 ) -> tuple[Mapping[str, Any] | None, str | None]:
+    """(the predicate of the one ``kind`` admin event about ``target``, None), or (None,
+    why not): the event must be a leaf of the log (its entry commits to the stored DSSE
+    bytes) signed by one of ``trusted`` (keyid -> public key)."""
+    found = session.execute(
+        select(AdminEvent.dsse, AdminEvent.event_id, LogEntry.entry)
+        .join(LogEntry, LogEntry.idx == AdminEvent.log_index)
+        .where(AdminEvent.target == target, AdminEvent.kind == kind)
+    ).all()
+    if len(found) != 1:
+        return None, f"it has no single {kind} leaf in the log"
+    dsse_bytes, event_id, entry = bytes(found[0][0]), found[0][1], bytes(found[0][2])
+    if entry != log_entry_bytes("admin_event", event_id,
+                                hashlib.sha256(dsse_bytes).hexdigest()):
+        return None, "its leaf's log entry does not commit to the stored signed event"
+    try:
+        return open_admin_event(dsse.envelope_from_json(dsse_bytes),
+                                _service_key_lookup(trusted)).predicate, None
+    except (LedgerError, KeyError) as exc:
+        return None, ("its leaf does not verify: "
+                      f"{exc.message if isinstance(exc, LedgerError) else exc}")
+
+
 def retention_vouched(session: Session, row: RetentionPolicy,
                       trusted: Mapping[str, bytes]) -> str | None:
     """Why the beat must not erase by ``row``, or None: its ``retention.created`` leaf must
@@ -165,26 +190,55 @@ def retention_vouched(session: Session, row: RetentionPolicy,
     the row. Erasure cannot be undone, so this is checked before, not only by audit."""
     from ledger.core.registry import check_retention_record
 
-    found = session.execute(
-        select(AdminEvent.dsse, AdminEvent.event_id, LogEntry.entry)
-        .join(LogEntry, LogEntry.idx == AdminEvent.log_index)
-        .where(AdminEvent.target == str(row.id), AdminEvent.kind == "retention.created")
-    ).all()
-    if len(found) != 1:
-        return "it has no single retention.created leaf in the log"
-    dsse_bytes, event_id, entry = bytes(found[0][0]), found[0][1], bytes(found[0][2])
-    if entry != log_entry_bytes("admin_event", event_id,
-                                hashlib.sha256(dsse_bytes).hexdigest()):
-        return "its leaf's log entry does not commit to the stored signed event"
-
-    public_key_for = _service_key_lookup(trusted)
+    pred, why = _signed_leaf(session, "retention.created", str(row.id), trusted)
+    if pred is None:
+        return why
     try:
-        pred = open_admin_event(dsse.envelope_from_json(dsse_bytes), public_key_for).predicate
         stated = check_retention_record(pred)
     except (LedgerError, KeyError) as exc:
         return f"its leaf does not verify: {exc.message if isinstance(exc, LedgerError) else exc}"
     if dict(stated) != retention_event(row):
         return "its row differs from the policy its signed leaf states"
+    return None
+
+
+def matrix_vouched(session: Session, job: ReplayJob, trusted: Mapping[str, bytes]
+                   ) -> str | None:
+    """Why a matrix run (its lead job) must not be shown as requested, or None: its
+    ``matrix.requested`` leaf must be in the log, signed by one of ``trusted``, and state
+    exactly the job's model, fingerprints, cells, tolerance, requester and records
+    (:func:`matrix_event`). What ``ledger audit`` names, checked before a run is served."""
+    pred, why = _signed_leaf(session, MATRIX_EVENT_KIND, str(job.id), trusted)
+    if pred is None:
+        return why
+    stated = pred.get("matrix")
+    if not isinstance(stated, Mapping) or dict(stated) != matrix_event(session, job):
+        return "its job or records differ from the request its signed leaf states"
+    return matrix_parts_problem(session, job)
+
+
+def matrix_parts_problem(session: Session, lead: ReplayJob) -> str | None:
+    """Why a matrix run's jobs are not the ones its lead's request makes, or None: one job
+    per fingerprint the request names (the lead's), each over the lead's records. (The
+    leaf states the lead; its other parts are checked against the lead here.)"""
+    parts = session.scalars(select(ReplayJob).where(
+        ReplayJob.kind == "matrix",
+        ReplayJob.params["matrix_run"].as_string() == str(lead.id))).all()
+    named = sorted(str(f) for f in (lead.params or {}).get("fingerprints") or [])
+    found = sorted([lead.fingerprint_id, *(p.fingerprint_id for p in parts)])
+    if found != named:
+        return (f"its jobs are for fingerprints {found}, its request names {named}")
+
+    def records(job: ReplayJob) -> list[tuple[int, str]]:
+        return sorted((int(i), str(r)) for i, r in session.execute(
+            select(ReplayJobItem.envelope_index, ReplayJobItem.request_id)
+            .where(ReplayJobItem.job_id == job.id)).all())
+
+    want = records(lead)
+    for part in parts:
+        if records(part) != want:
+            return (f"its job {part.id} (fingerprint {part.fingerprint_id}) replays other "
+                    "records than the request's")
     return None
 
 
@@ -198,8 +252,10 @@ def _service_key_lookup(trusted: Mapping[str, bytes]) -> Callable[[str], bytes]:
     return public_key_for
 
 
-def _trusted_signers(session: Session, trust: TrustPolicy | None) -> tuple[dict[str, bytes],
-                                                                          str]:
+def trusted_signers(session: Session, trust: TrustPolicy | None) -> tuple[dict[str, bytes],
+                                                                         str]:
+    """The service keys believed (keyid -> public key) and where from: the trust policy's,
+    or without one every ``ledger`` key of the database."""
     if trust is not None:
         return {key_id(k): bytes(k) for k in trust.service_keys}, "policy"
     rows = session.scalars(select(SigningKey.public_key).where(SigningKey.purpose == "ledger"))
@@ -209,7 +265,7 @@ def _trusted_signers(session: Session, trust: TrustPolicy | None) -> tuple[dict[
 def registry_from_leaves(session: Session, trust: TrustPolicy | None
                          ) -> tuple[Registry, list[Problem]]:
     """Fold every admin_event leaf that verifies; problems for those that do not."""
-    signers, source = _trusted_signers(session, trust)
+    signers, source = trusted_signers(session, trust)
     problems: list[Problem] = []
     public_key_for = _service_key_lookup(signers)
 
@@ -389,10 +445,14 @@ def _policy_problems(session: Session, registry: Registry) -> list[Problem]:
                     noun="retention policy", table="retention_policies")
     leads = session.scalars(select(ReplayJob).where(
         ReplayJob.kind == "matrix", ReplayJob.params["matrix_run"].as_string().is_(None))
-        .order_by(ReplayJob.created_at))
+        .order_by(ReplayJob.created_at)).all()
     _against_leaves(problems, [(f"matrix run {j.id}", matrix_event(session, j)) for j in leads],
                     registry.matrix_runs, missing="request", verb="requests",
                     noun="matrix run", table="replay_jobs")
+    for j in leads:
+        why = matrix_parts_problem(session, j) if str(j.id) in registry.matrix_runs else None
+        if why is not None:
+            problems.append((registry.matrix_runs[str(j.id)].index, f"matrix run {j.id}: {why}"))
     return problems
 
 

@@ -39,7 +39,7 @@ from ledger.db.models import Fingerprint, MatrixRun, ReplayJob, ReplayJobItem, W
 from ledger.db.session import raw_cursor
 from ledger.errors import BadRequest, Conflict, NotFound
 from ledger.log import proofs
-from ledger.log.registry import append_admin_event, matrix_event
+from ledger.log.registry import append_admin_event, matrix_event, matrix_vouched
 from ledger.replay import views
 from ledger.replay.jobs import create_job, live_fingerprints
 from ledger.replay.matrix import DEFAULT_CELLS, parse_cell
@@ -112,6 +112,12 @@ class StoredReportMismatch(Conflict):
     """A stored matrix report that its signed leaf does not vouch for."""
 
     code = "matrix_report_mismatch"
+
+
+class StoredRequestMismatch(Conflict):
+    """A matrix run whose jobs its signed ``matrix.requested`` leaf does not vouch for."""
+
+    code = "matrix_request_mismatch"
 
 
 def run_id_for_job(job_id: uuid.UUID | str) -> str:
@@ -374,8 +380,17 @@ def matrix_run_state(session: Session, job_id: uuid.UUID | str, checker: RecordC
     """A matrix run's state and, part by part (one per fingerprint), each report its
     worker signed, checked against its leaf first (:func:`checked_report`). ``report``,
     ``signed``, ``fingerprint_id`` are the lead part's; ``state`` is the parts' common
-    state, or ``running`` while some run, or ``partial`` when they ended differently."""
+    state, or ``running`` while some run, or ``partial`` when they ended differently.
+
+    The run itself is checked first against its signed request (:func:`ledger.log.
+    registry.matrix_vouched`): model, fingerprints, cells, tolerance, requester and
+    records are served only when the leaf states them (:class:`StoredRequestMismatch`
+    otherwise). ``sample``, ``seed`` and ``records_fingerprint_id`` say how the records
+    were drawn; the leaf binds the records themselves."""
     job = lead_job(session, job_id)
+    why = matrix_vouched(session, job, checker.service_keys(session))
+    if why is not None:
+        raise StoredRequestMismatch(f"matrix run {job.id}: {why}; run `ledger audit`")
     parts = [_part_state(session, j, checker) for j in run_parts(session, job)]
     states = {p["state"] for p in parts}
     state = (states.pop() if len(states) == 1
@@ -404,8 +419,12 @@ def matrix_run_state(session: Session, job_id: uuid.UUID | str, checker: RecordC
     return out
 
 
-def list_matrix_runs(session: Session, *, limit: int = 100) -> list[dict[str, Any]]:
-    """Matrix runs (lead jobs), newest first, with their parts' states (no report)."""
+def list_matrix_runs(session: Session, checker: RecordChecker, *, limit: int = 100
+                     ) -> list[dict[str, Any]]:
+    """Matrix runs (lead jobs), newest first, with their parts' states (no report), each
+    checked against its signed request: ``problem`` says why one is not vouched for (its
+    fields are then the database's, shown as such), None for the rest."""
+    trusted = checker.service_keys(session)
     leads = session.scalars(select(ReplayJob).where(
         ReplayJob.kind == "matrix", ReplayJob.params["matrix_run"].astext.is_(None))
         .order_by(ReplayJob.created_at.desc(), ReplayJob.id).limit(limit)).all()
@@ -418,7 +437,8 @@ def list_matrix_runs(session: Session, *, limit: int = 100) -> list[dict[str, An
                     "cells": params.get("cells") or [],
                     "requested_by": params.get("requested_by"),
                     "gate_run_id": str(job.run_id) if job.run_id else None,
-                    "parts": [(p.fingerprint_id, p.state) for p in parts]})
+                    "parts": [(p.fingerprint_id, p.state) for p in parts],
+                    "problem": matrix_vouched(session, job, trusted)})
     return out
 
 

@@ -30,7 +30,7 @@ from ledger.db.models import Envelope, SigningKey
 from ledger.db.session import raw_cursor
 from ledger.errors import NotFound
 from ledger.log import proofs
-from ledger.log.registry import registry_from_leaves
+from ledger.log.registry import registry_from_leaves, trusted_signers
 from ledger.log.signer import log_verifiers, trusted_log_verifiers
 from ledger.privacy.keys import ErasedContent, Opener
 
@@ -77,6 +77,11 @@ class RecordChecker:
                                        vouched_by="database")
                 for k in session.scalars(select(SigningKey).where(
                     SigningKey.purpose == purpose))}
+
+    def service_keys(self, session: Any) -> dict[str, bytes]:
+        """Service keys believed (keyid -> public key): the policy's, or without one the
+        database's ``ledger`` keys."""
+        return trusted_signers(session, self.trust)[0]
 
     def log_verifiers(self, session: Any) -> list[NoteVerifier]:
         if self.trust is not None:

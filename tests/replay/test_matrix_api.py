@@ -100,6 +100,25 @@ def test_matrix_run_over_the_api_on_a_celery_worker(stack: Stack, tiny_engine: A
     with stack.client("reviewer") as c:
         assert c.get(f"/v1/matrix-runs/{run['id']}").status_code == 200
     assert time.monotonic() - t0 < 10
+    # an insider rewrites who asked for the run: served as its signed request states it, or
+    # refused (409 problem+json), and listed as not vouched for
+    from tests.replay.test_matrix_checks import _superuser
+
+    with _superuser(stack.db_url) as conn:
+        conn.execute("UPDATE replay_jobs SET params = jsonb_set(params, '{requested_by}', "
+                     "'\"mallory\"') WHERE id = %s", (run["id"],))
+    with stack.client("auditor") as c:
+        r = c.get(f"/v1/matrix-runs/{run['id']}")
+    assert r.status_code == 409, r.text
+    assert r.headers["content-type"].startswith("application/problem+json")
+    assert r.json()["code"] == "matrix_request_mismatch", r.json()
+    c = _console(stack, "reviewer")
+    try:
+        listing = c.get("/console/matrix-runs")
+        assert listing.status_code == 200 and "not vouched for" in listing.text
+        assert "mallory" not in listing.text
+    finally:
+        c.close()
 
 
 def test_idempotency_key_and_the_fingerprint_axis_over_two_workers(

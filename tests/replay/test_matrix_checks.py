@@ -278,3 +278,93 @@ def test_a_matrix_run_request_is_a_signed_leaf_the_audit_holds_its_jobs_to(
     assert any(f"requests matrix run {dropped}" in p and "replay_jobs lacks" in p
                for p in found), found
     assert any(f"matrix run {planted}" in p and "no request leaf" in p for p in found), found
+
+
+def test_a_matrix_run_is_served_only_as_its_signed_request_states_it(
+        stack: Stack, tiny_engine: Any) -> None:
+    """``GET /v1/matrix-runs/{id}`` and the console (``matrix_run_state``,
+    ``list_matrix_runs``) check a run against its ``matrix.requested`` leaf before serving
+    it: a rewritten request, a deleted leaf, a planted part or a part replaying other
+    records is refused (409 ``matrix_request_mismatch``) or listed as not vouched for, and
+    named by ``ledger audit``; an untouched run is served."""
+    import uuid
+
+    from ledger.db.models import Fingerprint
+    from ledger.log.audit import audit
+    from ledger.log.integrator import integrate_all
+    from ledger.replay.matrix_runs import (
+        StoredRequestMismatch,
+        checker_for,
+        list_matrix_runs,
+        matrix_run_state,
+        request_matrix_run,
+    )
+
+    recs = record(tiny_engine, stack.producer, 4, seed=44, prefix="mxs")
+    ingest_all(stack, [r.envelope for r in recs])
+    model = recs[0].statement["predicate"]["artifacts"]["model_sha256"]
+    with session_scope(stack.db) as s:
+        fp = s.scalars(select(Fingerprint.fingerprint_id)).first()
+        assert fp is not None
+        other = "f" * 64                      # a second fingerprint the run can name
+        s.add(Fingerprint(fingerprint_id=other, runtime={"engine": "other"}))
+    ask = {"actor": "bob", "model_sha256": model, "records_fingerprint_id": None,
+           "sample": 3, "cells": ["alone"], "fingerprint_id": None}
+    runs = []
+    for seed in range(5):
+        with session_scope(stack.db) as s:
+            runs.append(request_matrix_run(
+                s, stack.settings, signer=stack.service,
+                **{**ask, "seed": seed, **({"fingerprint_id": None, "fingerprints":
+                                            [fp, other]} if seed >= 3 else {})}).job.id)
+    integrate_all(stack.db, stack.log_signer)
+    checker = checker_for(stack.settings)
+
+    def served(run: uuid.UUID) -> str | None:
+        with session_scope(stack.db) as s:
+            try:
+                state = matrix_run_state(s, run, checker)
+            except StoredRequestMismatch as exc:
+                assert exc.code == "matrix_request_mismatch"
+                return exc.message
+            assert state["params"]["requested_by"] == "bob"
+            return None
+
+    def listed() -> dict[str, str | None]:
+        with session_scope(stack.db) as s:
+            return {r["id"]: r["problem"] for r in list_matrix_runs(s, checker)}
+
+    assert [served(r) for r in runs] == [None] * 5
+    assert set(listed().values()) == {None}
+    rewritten, unsigned, fine, planted_in, repointed = runs
+    with _superuser(stack.settings.database_url) as conn:
+        conn.execute("UPDATE replay_jobs SET params = jsonb_set(params, '{requested_by}', "
+                     "'\"mallory\"') WHERE id = %s", (rewritten,))
+        conn.execute("DELETE FROM admin_events WHERE target = %s", (str(unsigned),))
+        # a part planted in a two-fingerprint run: a second job for the lead's fingerprint
+        conn.execute("INSERT INTO replay_jobs (id, fingerprint_id, kind, state, params, "
+                     "created_at) SELECT %s, fingerprint_id, kind, state, "
+                     "jsonb_build_object('matrix_run', id::text), created_at "
+                     "FROM replay_jobs WHERE id = %s", (uuid.uuid4(), planted_in))
+        # the other part of a two-fingerprint run replays a record the request did not
+        (index, rid), = conn.execute(
+            "SELECT log_index, request_id FROM envelopes WHERE request_id LIKE 'mxs%%' AND "
+            "request_id NOT IN (SELECT request_id FROM replay_job_items WHERE job_id = %s) "
+            "LIMIT 1", (repointed,)).fetchall()
+        conn.execute("UPDATE replay_job_items SET envelope_index = %s, request_id = %s "
+                     "WHERE position = 0 AND job_id = (SELECT id FROM replay_jobs "
+                     "WHERE params->>'matrix_run' = %s)", (index, rid, str(repointed)))
+    why = {r: served(r) for r in runs}
+    assert why[fine] is None
+    assert "differ from the request its signed leaf states" in str(why[rewritten])
+    assert "no single matrix.requested leaf" in str(why[unsigned])
+    assert "its jobs are for fingerprints" in str(why[planted_in])
+    assert "replays other records than the request's" in str(why[repointed])
+    assert {k for k, v in listed().items() if v} == {str(r) for r in runs if r != fine}
+    found = [p for p in audit(stack.db, stack.settings.log_name, signatures=True,
+                              trust=stack.trust).problems if "matrix run" in p]
+    for run, words in ((rewritten, "requested_by"), (planted_in, "its jobs are for"),
+                       (repointed, "replays other records")):
+        assert any(f"matrix run {run}" in p and words in p for p in found), (run, found)
+    assert any(f"requests matrix run {unsigned}" in p or f"matrix run {unsigned}" in p
+               for p in found), found
