@@ -449,6 +449,27 @@ class MatrixRunIn(BaseModel):
                     "one signed report per fingerprint")
 
 
+class MatrixRunSummary(BaseModel):
+    """A matrix run in the list, checked against its signed request first: with a
+    ``problem`` (why it is not vouched for) only its ID and time are given."""
+
+    id: str
+    created_at: datetime
+    problem: str | None = Field(description="why the run's jobs are not the ones its signed "
+                                            "matrix.requested leaf states; null when they are")
+    model_sha256: str | None
+    cells: list[str]
+    requested_by: str | None
+    gate_run_id: str | None
+    parts: list[tuple[str, str]] = Field(description="(fingerprint, state) of each part, "
+                                                     "the lead first")
+    links: dict[str, str] = Field(default_factory=dict)
+
+
+class MatrixRunPage(Page[MatrixRunSummary]):
+    pass
+
+
 class MatrixRunOut(BaseModel):
     """A matrix run's state; ``report`` once its worker signed it (checked against the
     signed leaf before it is served: ``signed`` says what was checked)."""

@@ -435,7 +435,7 @@ def matrix_list_page(request: Request,
     from ledger.replay import matrix_runs
 
     return page(request, "matrix_runs.html", user, runs=matrix_runs.list_matrix_runs(
-        session, matrix_runs.checker_for(settings)))
+        session, matrix_runs.checker_for(settings)).items)
 
 
 @router.get("/matrix-runs/{run_id}")

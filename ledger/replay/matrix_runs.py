@@ -45,6 +45,7 @@ from ledger.replay.jobs import create_job, live_fingerprints
 from ledger.replay.matrix import DEFAULT_CELLS, parse_cell
 from ledger.replay.records import Signer, append_signed, require_signer
 from ledger.replay.trusted import CheckedRecord, RecordChecker, Unverifiable
+from ledger.services.pagination import Page, SortKey, page, query_digest
 from ledger.settings import Settings
 
 #: Generous limits for reading envelopes back: the ledger already enforced its own.
@@ -419,27 +420,38 @@ def matrix_run_state(session: Session, job_id: uuid.UUID | str, checker: RecordC
     return out
 
 
-def list_matrix_runs(session: Session, checker: RecordChecker, *, limit: int = 100
-                     ) -> list[dict[str, Any]]:
-    """Matrix runs (lead jobs), newest first, with their parts' states (no report), each
-    checked against its signed request: ``problem`` says why one is not vouched for (its
-    fields are then the database's, shown as such), None for the rest."""
+#: Matrix runs newest first (lead jobs: their ID is the run's)
+MATRIX_ORDER = SortKey(((ReplayJob.created_at, True), (ReplayJob.id, True)), ("time", "uuid"))
+
+
+def list_matrix_runs(session: Session, checker: RecordChecker, *, limit: int = 100,
+                     cursor: str | None = None) -> Page[dict[str, Any]]:
+    """Matrix runs (lead jobs), newest first, a page at a time, each checked against its
+    signed request (:func:`ledger.log.registry.matrix_vouched`) before its fields are
+    given: ``problem`` says why one is not vouched for, and then only its ID and time
+    (what the page is ordered by) are given; model, cells, requester and the parts'
+    fingerprints and states for the rest (no report: a run's own page checks those)."""
     trusted = checker.service_keys(session)
-    leads = session.scalars(select(ReplayJob).where(
-        ReplayJob.kind == "matrix", ReplayJob.params["matrix_run"].astext.is_(None))
-        .order_by(ReplayJob.created_at.desc(), ReplayJob.id).limit(limit)).all()
+    leads, next_cursor = page(
+        session, select(ReplayJob).where(ReplayJob.kind == "matrix",
+                                         ReplayJob.params["matrix_run"].astext.is_(None)),
+        MATRIX_ORDER, limit=limit, cursor=cursor,
+        digest=query_digest({"list": "matrix-runs"}), key_of=lambda j: (j.created_at, j.id))
     out = []
     for job in leads:
-        parts = run_parts(session, job)
-        params = job.params or {}
-        out.append({"id": str(job.id), "created_at": job.created_at,
-                    "model_sha256": params.get("model_sha256"),
-                    "cells": params.get("cells") or [],
-                    "requested_by": params.get("requested_by"),
-                    "gate_run_id": str(job.run_id) if job.run_id else None,
-                    "parts": [(p.fingerprint_id, p.state) for p in parts],
-                    "problem": matrix_vouched(session, job, trusted)})
-    return out
+        problem = matrix_vouched(session, job, trusted)
+        item: dict[str, Any] = {"id": str(job.id), "created_at": job.created_at,
+                                "problem": problem, "model_sha256": None, "cells": [],
+                                "requested_by": None, "gate_run_id": None, "parts": []}
+        if problem is None:
+            params = job.params or {}
+            item.update(model_sha256=params.get("model_sha256"),
+                        cells=params.get("cells") or [],
+                        requested_by=params.get("requested_by"),
+                        gate_run_id=str(job.run_id) if job.run_id else None,
+                        parts=[(p.fingerprint_id, p.state) for p in run_parts(session, job)])
+        out.append(item)
+    return Page(out, next_cursor)
 
 
 def checker_for(settings: Settings) -> RecordChecker:

@@ -99,7 +99,14 @@ def test_matrix_run_over_the_api_on_a_celery_worker(stack: Stack, tiny_engine: A
     t0 = time.monotonic()
     with stack.client("reviewer") as c:
         assert c.get(f"/v1/matrix-runs/{run['id']}").status_code == 200
+        listed = c.get("/v1/matrix-runs").json()
     assert time.monotonic() - t0 < 10
+    assert listed["next_cursor"] is None and [x["id"] for x in listed["items"]] == [run["id"]]
+    assert listed["items"][0]["problem"] is None
+    assert listed["items"][0]["cells"] == CELLS and listed["items"][0]["parts"] == [
+        [run["fingerprint_id"], "done"]]
+    with stack.client("ingester") as c:
+        assert c.get("/v1/matrix-runs").status_code == 403
     # an insider rewrites who asked for the run: served as its signed request states it, or
     # refused (409 problem+json), and listed as not vouched for
     from tests.replay.test_matrix_checks import _superuser
@@ -109,6 +116,10 @@ def test_matrix_run_over_the_api_on_a_celery_worker(stack: Stack, tiny_engine: A
                      "'\"mallory\"') WHERE id = %s", (run["id"],))
     with stack.client("auditor") as c:
         r = c.get(f"/v1/matrix-runs/{run['id']}")
+        listed = c.get("/v1/matrix-runs").json()["items"]
+        assert c.get("/v1/matrix-runs?cursor=abc").status_code == 400
+    assert [x["id"] for x in listed] == [run["id"]], listed
+    assert listed[0]["problem"] and listed[0]["requested_by"] is None, listed
     assert r.status_code == 409, r.text
     assert r.headers["content-type"].startswith("application/problem+json")
     assert r.json()["code"] == "matrix_request_mismatch", r.json()

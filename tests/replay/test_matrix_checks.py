@@ -332,7 +332,15 @@ def test_a_matrix_run_is_served_only_as_its_signed_request_states_it(
 
     def listed() -> dict[str, str | None]:
         with session_scope(stack.db) as s:
-            return {r["id"]: r["problem"] for r in list_matrix_runs(s, checker)}
+            found = list_matrix_runs(s, checker, limit=2)   # pages of two, newest first
+            items = list(found.items)
+            while found.next_cursor:
+                found = list_matrix_runs(s, checker, limit=2, cursor=found.next_cursor)
+                items += found.items
+            assert [r["id"] for r in items] == [str(r) for r in reversed(runs)]
+            for r in items:   # a run not vouched for gives only its ID and time
+                assert (r["requested_by"] is None) == (r["problem"] is not None), r
+            return {r["id"]: r["problem"] for r in items}
 
     assert [served(r) for r in runs] == [None] * 5
     assert set(listed().values()) == {None}

@@ -9,10 +9,10 @@ from sqlalchemy.orm import Session
 
 from ledger.api.auth import require
 from ledger.api.deps import get_session, get_settings_dep
-from ledger.api.params import UuidPath
+from ledger.api.params import Cursor, Limit, UuidPath
 from ledger.api.routes.replay import IdempotencyKey, commit_and_publish
 from ledger.api.routing import StrictJsonRoute
-from ledger.api.schemas import COMMON_RESPONSES, MatrixRunIn, MatrixRunOut
+from ledger.api.schemas import COMMON_RESPONSES, MatrixRunIn, MatrixRunOut, MatrixRunPage
 from ledger.replay import matrix_runs
 from ledger.services import audit
 from ledger.services.apikeys import Principal
@@ -57,6 +57,21 @@ def create_matrix_run(
     commit_and_publish(request, session,
                        [(str(p.id), p.fingerprint_id) for p in requested.parts])
     return _out(session, settings, job_id)
+
+
+@router.get("/matrix-runs", tags=["matrix"], response_model=MatrixRunPage,
+            summary="Matrix runs, newest first, each checked against its signed request")
+def list_matrix_runs(limit: Limit = 100, cursor: Cursor = None,
+                     _: Principal = Depends(require("matrix:read")),
+                     session: Session = Depends(get_session),
+                     settings: Settings = Depends(get_settings_dep)) -> MatrixRunPage:
+    found = matrix_runs.list_matrix_runs(session, matrix_runs.checker_for(settings),
+                                         limit=limit, cursor=cursor)
+    return MatrixRunPage.model_validate({
+        "items": [{**r, "links": {"self": f"/v1/matrix-runs/{r['id']}",
+                                  "page": f"/console/matrix-runs/{r['id']}"}}
+                  for r in found.items],
+        "next_cursor": found.next_cursor})
 
 
 @router.get("/matrix-runs/{run_id}", tags=["matrix"], response_model=MatrixRunOut,
