@@ -376,9 +376,10 @@ async def _unexpected(_: Request, exc: Exception) -> Response:
 
 
 def _add_middleware(app: FastAPI, settings: Settings) -> None:
-    """The single-envelope ingest fast path inside the body limits, shedding and metrics
-    (the last added is the outermost)."""
+    """The fast paths (single-envelope ingest, the log's checkpoint and proof reads) inside
+    the body limits, shedding and metrics (the last added is the outermost)."""
     app.add_middleware(envelopes.IngestFastPath)
+    app.add_middleware(log_routes.LogReadFastPath)
     app.add_middleware(BodyLimitAndMetrics, max_body=settings.max_request_bytes,
                        max_inflight=settings.max_inflight_requests,
                        max_inflight_bytes=settings.max_inflight_bytes)

@@ -120,6 +120,15 @@ def presented(permission: str) -> Callable[..., Coroutine[Any, Any, Credentials]
     return dependency
 
 
+def authorize_reads(reads: AutocommitReads, settings: Settings, key: str,
+                    permission: str) -> Principal:
+    """The caller of ``key``, checked to hold ``permission``, in one statement on
+    ``reads`` (:func:`require_reads`, and the log routes' fast path in its one hop)."""
+    principal = authenticate_reads(reads, key, settings.api_key_pepper.get_secret_value())
+    check_role(principal, permission)
+    return principal
+
+
 def require_reads(permission: str) -> Callable[..., AsyncIterator[AutocommitReads]]:
     """:func:`require` for async routes that only read (the log's proofs): the key and
     its role are checked in one thread-pool hop, one raw statement on the API's
@@ -135,16 +144,11 @@ def require_reads(permission: str) -> Callable[..., AsyncIterator[AutocommitRead
         creds: HTTPAuthorizationCredentials | None = Depends(_bearer),
     ) -> AsyncIterator[AutocommitReads]:
         key = _presented(creds)
-        pepper = request.app.state.settings.api_key_pepper.get_secret_value()
+        settings = request.app.state.settings
         reads = AutocommitReads(request.app.state.log_reads)
-
-        def check() -> Principal:
-            principal = authenticate_reads(reads, key, pepper)
-            check_role(principal, permission)
-            return principal
-
         try:
-            request.state.principal = await run_in_threadpool(check)
+            request.state.principal = await run_in_threadpool(
+                authorize_reads, reads, settings, key, permission)
             yield reads
         finally:
             reads.release()  # autocommit: giving the connection back sends nothing

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
 from ledger.core.keys import load_private_pem, public_raw
@@ -53,17 +54,19 @@ class LogSigner:
                          signer=registrar)
 
 
-def log_verifiers(session: Session, origin: str) -> list[NoteVerifier]:
+def log_verifiers(db: Session | Connection, origin: str) -> list[NoteVerifier]:
     """Every log key the ledger has registered (revoked ones too: old checkpoints stay
     verifiable), as note verifiers for ``origin``.
 
     Read from the database being checked, so an insider can add one: for display and
     ``--insecure-dev`` only. Every check that must hold against an insider takes the log
     keys from the trust policy (:func:`trusted_log_verifiers`)."""
-    from sqlalchemy import select
+    from ledger.db.session import raw_cursor
 
-    rows = session.scalars(select(SigningKey.public_key).where(SigningKey.purpose == "log"))
-    return [NoteVerifier.from_public_key(origin, bytes(pk)) for pk in rows]
+    with raw_cursor(db) as cur:  # one raw statement: the checkpoint route's hot path
+        cur.execute("SELECT public_key FROM signing_keys WHERE purpose = 'log'")
+        rows = cur.fetchall()
+    return [NoteVerifier.from_public_key(origin, bytes(pk)) for (pk,) in rows]
 
 
 def trusted_log_verifiers(trust: TrustPolicy, origin: str) -> list[NoteVerifier]:

@@ -22,7 +22,11 @@ from ledger.core.tiles import (
     NodeSlice,
     Tile,
     hash_from_slice,
+    tile_nodes,
 )
+
+#: A full tile laid flat: its 256 hashes, then the 255 above them (``tile_nodes``' order).
+FLAT_TILE_BYTES = FULL_TILE_BYTES + TILE_NODES_BYTES
 
 
 class FullTileCache:
@@ -55,17 +59,25 @@ FULL_TILES = FullTileCache()
 
 
 class SubtreeCache:
-    """Process-wide hashes of full subtrees, keyed by (tree level, index) per database.
+    """Process-wide hashes of full subtrees, keyed by (tree level, index) per database,
+    and the full tiles proofs read, whole (:data:`FLAT_TILE_BYTES`: the 256 hashes, then
+    the 255 of :func:`~ledger.core.tiles.tile_nodes`), keyed by (level, index).
 
-    A full subtree's hash never changes once its leaves exist, whatever the tree size, so
-    the hashes near the top of the tree, which every proof needs, are computed or read
-    once. What is cached came from the database: the proofs built from it are verified
-    against the signed root before they are served, and a failure clears the database's
-    entries (:meth:`forget`). Bounded: when full, a database's entries are dropped."""
+    A full subtree's hash never changes once its leaves exist, whatever the tree size, and
+    neither does a full tile, so the hashes near the top of the tree, which every proof
+    needs, are computed or read once, and a tile a proof read serves the next proofs
+    inside it. What is cached came from the database: the proofs built from it are
+    verified against the signed root before they are served, and a failure clears the
+    database's entries (:meth:`forget`). Bounded: when full, a database's hashes are
+    dropped; tiles go least recently used first (``tiles`` of them, ~16 KiB each)."""
 
-    def __init__(self, capacity: int = 200_000) -> None:  # ~30 MiB of dict at capacity
+    def __init__(self, capacity: int = 200_000, tiles: int = 4096) -> None:
+        # ~30 MiB of dict at capacity, and 4,096 tiles (64 MiB): the full tiles of
+        # 1,048,576 entries
         self.capacity = capacity
+        self.tile_capacity = tiles
         self._scopes: dict[str, dict[tuple[int, int], bytes]] = {}
+        self._tiles: OrderedDict[tuple[str, int, int], bytes] = OrderedDict()
         self._lock = threading.Lock()
 
     def for_scope(self, scope: str) -> dict[tuple[int, int], bytes]:
@@ -75,13 +87,33 @@ class SubtreeCache:
                 memo = self._scopes[scope] = {}
             return memo
 
+    def tile(self, scope: str, level: int, index: int) -> bytes | None:
+        """The full tile (``level``, ``index``) laid flat, if kept."""
+        key = (scope, level, index)
+        with self._lock:
+            flat = self._tiles.get(key)
+            if flat is not None:
+                self._tiles.move_to_end(key)
+            return flat
+
+    def keep_tile(self, scope: str, level: int, index: int, flat: bytes) -> None:
+        assert len(flat) == FLAT_TILE_BYTES, "only full tiles, with their nodes"
+        with self._lock:
+            self._tiles[(scope, level, index)] = flat
+            self._tiles.move_to_end((scope, level, index))
+            while len(self._tiles) > self.tile_capacity:
+                self._tiles.popitem(last=False)
+
     def forget(self, scope: str) -> None:
         with self._lock:
             self._scopes.pop(scope, None)
+            for key in [k for k in self._tiles if k[0] == scope]:
+                del self._tiles[key]
 
     def forget_all(self) -> None:
         with self._lock:
             self._scopes.clear()
+            self._tiles.clear()
 
 
 SUBTREES = SubtreeCache()
@@ -97,10 +129,11 @@ class PgTileReader:
     """A :class:`ledger.core.tiles.TileNodeReader` over the ``tiles`` and ``tile_nodes``
     tables (one query for whatever the process-wide full-tile cache does not hold)."""
 
-    def __init__(self, cursor: Any, cache: FullTileCache | None = FULL_TILES) -> None:
+    def __init__(self, cursor: Any, cache: FullTileCache | None = FULL_TILES,
+                 scope: str | None = None) -> None:
         self.cur = cursor
         self.cache = cache
-        self.scope = database_scope(cursor)
+        self.scope = database_scope(cursor) if scope is None else scope
 
     def read_tiles(self, tiles: Sequence[Tile]) -> list[bytes]:
         if not tiles:
@@ -169,18 +202,34 @@ class ProofRows:
 
 
 def read_for_proof(cursor: Any, sizes: Sequence[int | None], index: int | None,
-                   slices: Sequence[NodeSlice]) -> ProofRows:
+                   slices: Sequence[NodeSlice], cache: SubtreeCache | None = None,
+                   scope: str | None = None) -> ProofRows:
     """In one round trip: the checkpoints of ``sizes`` (None: the latest), log entry
-    ``index`` (when not None) and the bytes of ``slices`` (just those bytes: reading a
-    whole tile and its nodes costs half again a point SELECT). A slice not found (a
-    tile or its nodes not stored) is left out; the caller reads it the usual way.
-    ``cursor`` should be binary (bytes as they are, not hex)."""
+    ``index`` (when not None) and the hashes ``slices`` name. A slice of a full tile
+    comes from the tile kept in ``cache``, or the tile is read whole (its data and
+    stored nodes, each one TOAST fetch: cheaper than a ``substring()`` per slice, which
+    fetches each slice on its own) and kept; a slice of a partial tile is read as just
+    its bytes. A slice not found (a tile or its nodes not stored) is left out; the
+    caller reads it the usual way. ``cursor`` should be binary (bytes as they are, not
+    hex); ``scope`` is :func:`database_scope` of it (computed when not given)."""
+    if scope is None:
+        scope = database_scope(cursor)
+    hashes: dict[tuple[int, int], bytes] = {}
     by_tile: dict[Tile, tuple[list[NodeSlice], list[NodeSlice]]] = {}
+    whole: dict[Tile, list[NodeSlice]] = {}
     for piece in slices:
-        by_tile.setdefault(piece.tile, ([], []))[piece.in_nodes].append(piece)
+        tile = piece.tile
+        if tile.is_partial:
+            by_tile.setdefault(tile, ([], []))[piece.in_nodes].append(piece)
+            continue
+        flat = cache.tile(scope, tile.level, tile.index) if cache is not None else None
+        if flat is None:
+            whole.setdefault(tile, []).append(piece)
+        else:
+            hashes[piece.node] = _from_flat(piece, flat)
     shape = (tuple(size is None for size in sizes), index is not None,
              tuple((tuple(p.length for p in data), tuple(p.length for p in nodes))
-                   for data, nodes in by_tile.values()))
+                   for data, nodes in by_tile.values()), len(whole))
     params: list[Any] = [size for size in sizes if size is not None]
     if index is not None:
         params.append(index)
@@ -188,18 +237,20 @@ def read_for_proof(cursor: Any, sizes: Sequence[int | None], index: int | None,
         params += [p.offset + 1 for p in data]
         params += [p.offset + 1 for p in nodes]
         params += [tile.level, tile.index]
+    for tile in whole:
+        params += [tile.level, tile.index]
     cursor.execute(_proof_sql(shape), params)
     checkpoints: list[StoredCheckpoint] = []
     entry = None
     found: dict[tuple[int, int], tuple[bytes | None, bytes | None]] = {}
+    read_whole: dict[tuple[int, int], tuple[bytes | None, bytes | None]] = {}
     for part, a, b, x, y in cursor.fetchall():
         if part == 0:
             checkpoints.append(StoredCheckpoint(a, x, y))
         elif part == 1:
             entry = x
         else:
-            found[(a, b)] = (x, y)
-    hashes: dict[tuple[int, int], bytes] = {}
+            (found if part == 2 else read_whole)[(a, b)] = (x, y)
     for tile, groups in by_tile.items():
         got = found.get((tile.level, tile.index))
         if got is None:
@@ -211,20 +262,37 @@ def read_for_proof(cursor: Any, sizes: Sequence[int | None], index: int | None,
             for piece in group:
                 hashes[piece.node] = hash_from_slice(piece, blob[at : at + piece.length])
                 at += piece.length
+    for tile, pieces in whole.items():
+        leaves, above = read_whole.get((tile.level, tile.index), (None, None))
+        if leaves is None or len(leaves) != FULL_TILE_BYTES:
+            continue  # not stored (whole)
+        if above is None or len(above) != TILE_NODES_BYTES:
+            above = tile_nodes(leaves)  # nodes not stored: from the leaves
+        flat = leaves + above
+        if cache is not None:
+            cache.keep_tile(scope, tile.level, tile.index, flat)
+        for piece in pieces:
+            hashes[piece.node] = _from_flat(piece, flat)
     return ProofRows(checkpoints, entry, hashes)
 
 
-_ProofShape = tuple[tuple[bool, ...], bool, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]]
+def _from_flat(piece: NodeSlice, flat: bytes) -> bytes:
+    at = piece.offset + (FULL_TILE_BYTES if piece.in_nodes else 0)
+    return hash_from_slice(piece, flat[at : at + piece.length])
+
+
+_ProofShape = tuple[tuple[bool, ...], bool,
+                    tuple[tuple[tuple[int, ...], tuple[int, ...]], ...], int]
 
 
 @lru_cache(maxsize=256)
 def _proof_sql(shape: _ProofShape) -> str:
     """The statement :func:`read_for_proof` sends for one shape (which checkpoints, an
-    entry or not, how many slices of which lengths in each tile): the same few texts
-    over and over, so psycopg prepares them; the values (sizes, index, offsets, tile
-    coordinates) are parameters, the lengths (32 bytes, or a run of hashes of a partial
-    tile) numbers of ours."""
-    latest, with_entry, tiles = shape
+    entry or not, how many slices of which lengths in each partial tile, how many whole
+    tiles): the same few texts over and over, so psycopg prepares them; the values
+    (sizes, index, offsets, tile coordinates) are parameters, the lengths (a run of
+    hashes of a partial tile, or 32 bytes) numbers of ours."""
+    latest, with_entry, tiles, whole = shape
     conds = ["tree_size = (SELECT max(tree_size) FROM checkpoints)" if is_latest
              else "tree_size = %s" for is_latest in latest]
     parts = ["SELECT 0, tree_size, NULL::bigint, root_hash, note FROM checkpoints "  # noqa: S608
@@ -239,6 +307,9 @@ def _proof_sql(shape: _ProofShape) -> str:
         join = " LEFT JOIN tile_nodes n ON n.level = t.level AND n.idx = t.idx" if nodes else ""
         parts.append(f"SELECT 2, t.level::bigint, t.idx, {cols[0]}, {cols[1]} "  # noqa: S608
                      f"FROM tiles t{join} WHERE t.level = %s AND t.idx = %s")
+    parts += ["SELECT 3, t.level::bigint, t.idx, t.data, n.nodes FROM tiles t "
+              "LEFT JOIN tile_nodes n ON n.level = t.level AND n.idx = t.idx "
+              "WHERE t.level = %s AND t.idx = %s"] * whole
     return " UNION ALL ".join(parts)
 
 

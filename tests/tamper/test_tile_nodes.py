@@ -29,6 +29,7 @@ from ledger.core.note import (
     parse_verifier_key,
     sign_checkpoint,
 )
+from ledger.core.tiles import tile_nodes
 from ledger.db.session import make_engine, session_scope
 from ledger.errors import StoredTreeMismatch
 from ledger.log import proofs
@@ -36,7 +37,7 @@ from ledger.log.audit import audit
 from ledger.log.export import Selection, bundle_chunks, bundle_lines, write_bundle
 from ledger.log.integrator import integrate_all
 from ledger.log.signer import LogSigner
-from ledger.log.store import SUBTREES
+from ledger.log.store import FLAT_TILE_BYTES, SUBTREES
 from ledger.replay.records import Signer
 from ledger.services import ingest
 from ledger.settings import Settings
@@ -170,15 +171,62 @@ def test_poisoned_cache_is_dropped(log: Log) -> None:
     """A wrong hash in the process-wide subtree cache (read before a repair, say): the
     proof fails its check, the cache is dropped, the retry from the database is served."""
     good = inclusion(log, 300)
-    with psycopg.connect(log.pg) as conn:
-        info = conn.info
-        scope = f"{info.host}:{info.port}/{info.dbname}"
-    memo = SUBTREES.for_scope(scope)
+    memo = SUBTREES.for_scope(_scope(log))
     assert memo
     for key in list(memo):
         memo[key] = bytes(32)
     again = inclusion(log, 300)
     assert again.proof == good.proof
+
+
+def _scope(log: Log) -> str:
+    with psycopg.connect(log.pg) as conn:
+        info = conn.info
+        return f"{info.host}:{info.port}/{info.dbname}"
+
+
+def test_poisoned_tile_cache_is_dropped(log: Log) -> None:
+    """The full tiles a proof read whole are kept for the next proofs inside them: a
+    wrong byte there fails the proof's check, the cache is dropped, the retry from the
+    database is served. (A process's first proof reads the tiles it needs apart: it does
+    not know the tree's size yet.)"""
+    inclusion(log, log.size - 1)
+    good = {index: inclusion(log, index) for index in (3, 300)}
+    scope = _scope(log)
+    kept = [(level, idx) for level, idx in ((0, 0), (0, 1)) if SUBTREES.tile(scope, level, idx)]
+    assert kept == [(0, 0), (0, 1)]
+    for level, idx in kept:
+        SUBTREES.keep_tile(scope, level, idx, bytes(FLAT_TILE_BYTES))
+    for index, receipt in good.items():
+        assert inclusion(log, index).proof == receipt.proof
+    assert SUBTREES.tile(scope, 0, 1) != bytes(FLAT_TILE_BYTES)  # read again
+
+
+def test_a_kept_tile_is_not_read_again(log: Log) -> None:
+    """Proofs inside a kept full tile take its hashes from the process, not the row: an
+    edit made after it was read changes no proof (a full tile never changes; ``ledger
+    audit`` names the row). A process that had not read it refuses."""
+    inclusion(log, log.size - 1)  # the process learns the size
+    before = inclusion(log, 257)
+    flip_node(log, 1, 0)  # the hash of leaves 256 and 257: in the proofs of 258 and 259
+    after = inclusion(log, 258)
+    verify_inclusion(after.leaf_hash, 258, log.size, after.proof, before.checkpoint.root_hash)
+    SUBTREES.forget_all()
+    with pytest.raises(StoredTreeMismatch):
+        inclusion(log, 258)
+
+
+def test_a_full_tile_without_stored_nodes_is_proved_from_its_leaves(log: Log) -> None:
+    inclusion(log, log.size - 1)
+    good = inclusion(log, 400)
+    SUBTREES.forget_all()
+    superuser(log, "DELETE FROM tile_nodes WHERE level = 0 AND idx = 1")
+    inclusion(log, log.size - 1)
+    assert inclusion(log, 400).proof == good.proof
+    with psycopg.connect(log.pg) as conn:
+        row = conn.execute("SELECT data FROM tiles WHERE level = 0 AND idx = 1").fetchone()
+    assert row is not None
+    assert SUBTREES.tile(_scope(log), 0, 1) == bytes(row[0]) + tile_nodes(bytes(row[0]))
 
 
 def test_checkpoint_columns_must_match_the_signed_note(log: Log) -> None:

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from ledger import metrics
 from ledger.api.auth import Credentials, bearer_key, check_role, presented, require
 from ledger.api.deps import get_session, get_settings_dep
+from ledger.api.fast import error_response
 from ledger.api.params import (
     AfterQuery,
     BeforeQuery,
@@ -217,15 +218,8 @@ class IngestFastPath:
         try:
             credentials = Credentials(await bearer_key(request), "envelopes:write")
             response = await _ingest_one(request, credentials, app.state.settings)
-        except Exception as exc:
-            # As Starlette's ExceptionMiddleware: the handler of the nearest class; the
-            # catch-all (Exception) is the outer ServerErrorMiddleware's, and what only an
-            # outer middleware answers (BodyLimitAndMetrics' 413) must reach it: re-raise.
-            handler = next((app.exception_handlers[cls] for cls in type(exc).__mro__
-                            if cls is not Exception and cls in app.exception_handlers), None)
-            if handler is None:
-                raise
-            response = await handler(request, exc)
+        except Exception as exc:  # noqa: BLE001 - answered as the app answers it
+            response = await error_response(request, exc)
         await response(scope, receive, send)
 
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 import base64
 import itertools
 import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import datetime
+from types import SimpleNamespace
 from typing import Annotated, Any
 
 import orjson
@@ -23,10 +26,12 @@ from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
-from ledger.api.auth import require, require_reads
+from ledger.api.auth import authorize_reads, bearer_key, require, require_reads
 from ledger.api.deps import get_session
+from ledger.api.fast import error_response
 from ledger.api.params import (
     AfterQuery,
     BeforeQuery,
@@ -168,17 +173,48 @@ def tlog_tile(path: Annotated[str, Path(max_length=200)],
     return Response(data, media_type="application/octet-stream", headers=headers)
 
 
+def checkpoint_body(app: Any) -> bytes:
+    """``GET /v1/log/checkpoint``'s body: the latest checkpoint, its size and root read
+    from its note's signed text (:func:`ledger.log.proofs.signed_checkpoint`: with the
+    API's log key the signature is checked too), and the log keys the database names."""
+    def read(conn: Connection) -> bytes:
+        with raw_cursor(conn) as cur:
+            stored = latest_checkpoint(cur)
+        if stored is None:
+            raise proofs.NotYetIntegrated("the log has no checkpoint yet")
+        cp = proofs.signed_checkpoint(stored, app.state.log_keys)
+        note = cp.note.decode()
+        origin = note.split("\n", 1)[0]
+        keys = [format_verifier_key(v.name, v.public_key) for v in log_verifiers(conn, origin)]
+        return orjson.dumps({"tree_size": cp.tree_size,
+                             "root_hash": base64.b64encode(cp.root_hash).decode(),
+                             "checkpoint": note, "origin": origin, "verifier_keys": keys})
+
+    with AutocommitReads(app.state.log_reads) as reads:
+        return reads.run(read)
+
+
+def consistency_body(app: Any, from_size: int, to_size: int | None) -> bytes:
+    """``GET /v1/log/consistency``'s body (one round trip as a rule)."""
+    with AutocommitReads(app.state.log_reads) as reads:
+        return orjson.dumps(reads.run(lambda conn: proofs.consistency(
+            conn, from_size, to_size, log_keys=app.state.log_keys)))
+
+
+def inclusion_body(app: Any, reads: AutocommitReads, index: int,
+                   tree_size: int | None) -> bytes:
+    """``GET /v1/log/proof``'s body, on the connection its caller's key was checked on."""
+    receipt = reads.run(lambda conn: proofs.inclusion(
+        conn, index, tree_size, log_keys=app.state.log_keys))
+    return orjson.dumps(receipt.to_json())
+
+
 @router.get("/v1/log/checkpoint", tags=["log"], response_model=CheckpointOut,
             summary="The latest checkpoint as JSON, with the log's verifier keys")
-def checkpoint_json(session: Session = Depends(get_session)) -> dict[str, Any]:
-    with raw_cursor(session) as cur:
-        cp = latest_checkpoint(cur)
-    if cp is None:
-        raise proofs.NotYetIntegrated("the log has no checkpoint yet")
-    origin = cp.note.decode().split("\n", 1)[0]
-    keys = [format_verifier_key(v.name, v.public_key) for v in log_verifiers(session, origin)]
-    return {"tree_size": cp.tree_size, "root_hash": base64.b64encode(cp.root_hash).decode(),
-            "checkpoint": cp.note.decode(), "origin": origin, "verifier_keys": keys}
+async def checkpoint_json(request: Request) -> Response:
+    # async, one thread-pool hop on the autocommit read engine (as the proof routes)
+    return Response(await run_in_threadpool(checkpoint_body, request.app),
+                    media_type="application/json")
 
 
 def _json(body: Any) -> Response:
@@ -195,12 +231,8 @@ async def log_consistency(
 ) -> Response:
     # One thread-pool hop for the database work, which is one round trip as a rule, on
     # the autocommit read engine (no BEGIN, ROLLBACK or ping); orjson bytes out.
-    def work() -> bytes:
-        with AutocommitReads(request.app.state.log_reads) as reads:
-            return orjson.dumps(reads.run(lambda conn: proofs.consistency(
-                conn, from_size, to_size, log_keys=request.app.state.log_keys)))
-
-    return Response(await run_in_threadpool(work), media_type="application/json")
+    return Response(await run_in_threadpool(consistency_body, request.app, from_size, to_size),
+                    media_type="application/json")
 
 
 @router.get("/v1/log/proof", tags=["log"], response_model=InclusionProofOut,
@@ -214,12 +246,8 @@ async def entry_proof(
     # the proof is then read on
     reads: AutocommitReads = Depends(require_reads("log:read")),
 ) -> Response:
-    def work() -> bytes:
-        receipt = reads.run(lambda conn: proofs.inclusion(
-            conn, index, tree_size, log_keys=request.app.state.log_keys))
-        return orjson.dumps(receipt.to_json())
-
-    return Response(await run_in_threadpool(work), media_type="application/json")
+    return Response(await run_in_threadpool(inclusion_body, request.app, reads, index,
+                                            tree_size), media_type="application/json")
 
 
 @router.get("/v1/envelopes/{request_id}/proof", tags=["envelopes"],
@@ -269,3 +297,101 @@ def export_bundle(
     return StreamingResponse(itertools.chain([first], chunks), media_type="application/x-ndjson",
                              headers={"Content-Disposition":
                                       'attachment; filename="ledger-bundle.jsonl"'})
+
+
+_PLAIN_NUMBER = re.compile(rb"0|[1-9][0-9]{0,18}")
+
+
+@dataclass(frozen=True, slots=True)
+class _FastRead:
+    """One GET the fast path answers: its declared query parameters (name: (argument,
+    least, most)), those that are required, and the route's steps."""
+
+    route: SimpleNamespace                                   # the latency metric's label
+    params: dict[bytes, tuple[str, int, int]]
+    required: frozenset[str]
+    answer: Callable[[Request, dict[str, int]], Awaitable[bytes]]
+
+
+async def _fast_checkpoint(request: Request, _: dict[str, int]) -> bytes:
+    return await run_in_threadpool(checkpoint_body, request.app)
+
+
+async def _fast_consistency(request: Request, args: dict[str, int]) -> bytes:
+    return await run_in_threadpool(consistency_body, request.app, args["from"],
+                                   args.get("to"))
+
+
+async def _fast_inclusion(request: Request, args: dict[str, int]) -> bytes:
+    key = await bearer_key(request)  # 401 without one, as require_reads' Depends(_bearer)
+    app = request.app
+
+    def work() -> bytes:  # the key check and the proof in one hop, on one connection
+        with AutocommitReads(app.state.log_reads) as reads:
+            authorize_reads(reads, app.state.settings, key, "log:read")
+            return inclusion_body(app, reads, args["index"], args.get("tree_size"))
+
+    return await run_in_threadpool(work)
+
+
+_RANGE = 2**62
+_FAST_READS = {
+    "/v1/log/checkpoint": _FastRead(SimpleNamespace(path="/v1/log/checkpoint"), {},
+                                    frozenset(), _fast_checkpoint),
+    "/v1/log/proof": _FastRead(SimpleNamespace(path="/v1/log/proof"),
+                               {b"index": ("index", 0, _RANGE),
+                                b"tree_size": ("tree_size", 1, _RANGE)},
+                               frozenset({"index"}), _fast_inclusion),
+    "/v1/log/consistency": _FastRead(SimpleNamespace(path="/v1/log/consistency"),
+                                     {b"from": ("from", 0, _RANGE), b"to": ("to", 0, _RANGE)},
+                                     frozenset({"from"}), _fast_consistency),
+}
+
+
+def _plain_query(raw: bytes, read: _FastRead) -> dict[str, int] | None:
+    """The arguments of a query string in which every parameter is declared, given once,
+    unencoded, a number in its range, and the required ones are there; None for any
+    other (FastAPI then answers it: 400 or 422, as the route's declaration says)."""
+    args: dict[str, int] = {}
+    for part in raw.split(b"&") if raw else ():
+        name, eq, value = part.partition(b"=")
+        spec = read.params.get(name)
+        if spec is None or not eq or not _PLAIN_NUMBER.fullmatch(value):
+            return None
+        argument, least, most = spec
+        number = int(value)
+        if argument in args or not least <= number <= most:
+            return None
+        args[argument] = number
+    return args if read.required <= args.keys() else None
+
+
+class LogReadFastPath:
+    """Pure ASGI: ``GET /v1/log/checkpoint``, ``/v1/log/proof`` and ``/v1/log/consistency``
+    with a plain query string (:func:`_plain_query`) go straight to the routes' own steps
+    (:func:`checkpoint_body`, :func:`inclusion_body` after the same key and role check,
+    :func:`consistency_body`), past FastAPI's routing, dependency solving and parameter
+    validation, which cost most of the server's time on these small reads. Errors take the
+    app's own handlers (:func:`ledger.api.fast.error_response`), so a request gets the
+    same bytes either way; any other request (a bad or unknown parameter, HEAD) goes to
+    FastAPI, whose routes stay the ones the OpenAPI document shows
+    (``tests/api/test_log_fast_path.py`` sends every kind through both)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.reads = _FAST_READS
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        read = self.reads.get(scope["path"]) if scope["type"] == "http" and \
+            scope["method"] == "GET" else None
+        args = _plain_query(scope.get("query_string", b""), read) if read else None
+        if read is None or args is None:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        scope["route"] = read.route
+        try:
+            response = Response(await read.answer(request, args), media_type="application/json")
+        except Exception as exc:  # noqa: BLE001 - answered as the app answers it
+            response = await error_response(request, exc)
+        await response(scope, receive, send)
