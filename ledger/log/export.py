@@ -14,6 +14,7 @@ import base64
 import hashlib
 import os
 import queue
+import stat
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
@@ -102,19 +103,42 @@ def bundle_chunks(engine: Engine, selection: Selection, signer: Signer | None = 
 
 def write_bundle(engine: Engine, selection: Selection, out: BinaryIO,
                  signer: Signer | None = None, kek: KeyEncryptionKey | None = None) -> int:
-    """:func:`bundle_lines` written to the file ``out`` (`ledger export`); the records
-    go from the spool to ``out`` inside the kernel (``sendfile``), not through Python.
-    Returns how many records were written."""
-    with _spooled(engine, selection, signer, kek) as (header, count, spool):
+    """:func:`bundle_lines` written to ``out`` (`ledger export`). Into a regular file the
+    records are written once, where they belong: they are counted first (the same
+    snapshot), which fixes the header's length, so they go after a gap of that length and
+    the header into it at the end (a spool and a copy of it took a fifth of a whole-log
+    export's time). Anything else with a file descriptor (a pipe) gets the header, then
+    the spool inside the kernel (``sendfile``). Returns how many records were written."""
+    if not _is_regular_file(out):
+        with _spooled(engine, selection, signer, kek) as (header, count, spool):
+            out.write(header)
+            out.flush()
+            spool.flush()
+            fd, src, sent = out.fileno(), spool.fileno(), 0
+            while n := os.sendfile(fd, src, sent, 1 << 30):   # a pipe has no position
+                sent += n
+        return count
+    with _export(engine, selection, signer, kek) as export:
+        expected = export.count()
+        start = out.tell()
+        gap = len(export.header(expected, "0" * 64))
+        out.seek(start + gap)
+        count, records_sha256 = export.write_records(out)
+        header = export.header(count, records_sha256)
+        if count != expected or len(header) != gap:   # one snapshot: cannot happen
+            raise AssertionError(f"counted {expected} records, wrote {count}")
+        end = out.tell()
+        out.seek(start)
         out.write(header)
-        out.flush()
-        spool.flush()
-        offset, fd, src = out.tell(), out.fileno(), spool.fileno()
-        sent = 0
-        while n := os.sendfile(fd, src, sent, 1 << 30):
-            sent += n
-        out.seek(offset + sent)
+        out.seek(end)
     return count
+
+
+def _is_regular_file(out: BinaryIO) -> bool:
+    try:
+        return out.seekable() and stat.S_ISREG(os.fstat(out.fileno()).st_mode)
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 #: Records formatted between writes to the spool (and updates of the records' digest).
@@ -127,6 +151,19 @@ def _spooled(engine: Engine, selection: Selection, signer: Signer | None,
              kek: KeyEncryptionKey | None) -> Iterator[tuple[bytes, int, BinaryIO]]:
     """(the header line, how many records, the spool file of the records at its start),
     for as long as the context lasts."""
+    with _export(engine, selection, signer, kek) as export, \
+            tempfile.TemporaryFile() as spool:
+        count, records_sha256 = export.write_records(spool)
+        spool.seek(0)
+        yield export.header(count, records_sha256), count, spool
+
+
+@contextmanager
+def _export(engine: Engine, selection: Selection, signer: Signer | None,
+            kek: KeyEncryptionKey | None) -> Iterator[_Export]:
+    """The export of ``selection`` at the latest exportable checkpoint, in one read-only
+    snapshot (REPEATABLE READ) for as long as the context lasts: its record count, its
+    records written to a file and its header are all of the same records."""
     if kek is None:
         kek = kek_from_settings(get_settings())
     if signer is None:
@@ -197,19 +234,67 @@ def _spooled(engine: Engine, selection: Selection, signer: Signer | None,
                                  "AND e.log_index < %s",
             }
             parts = [(kind, whole.get(kind, query)) for kind, query in parts]
-        with tempfile.TemporaryFile() as spool, _Spooler(spool) as spooler:
+        yield _Export(session, conn, cp, origin, parts, params, selection, signer, kek)
+
+
+@dataclass
+class _Export:
+    """One export's snapshot and queries (see :func:`_export`)."""
+
+    session: Session
+    conn: Any
+    cp: Any
+    origin: str
+    parts: list[tuple[str, str]]
+    params: list[Any]
+    selection: Selection
+    signer: Signer
+    kek: KeyEncryptionKey | None
+    created_at: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+
+    def _args(self, kind: str) -> list[Any]:
+        size = self.cp.tree_size
+        return {"admin_event": [size], "erasure": [size], "matrix_run": [size],
+                "envelope": self.params}.get(kind, [*self.params, size])
+
+    def count(self) -> int:
+        """How many records :meth:`write_records` writes (the same snapshot)."""
+        with self.conn.cursor() as cur:
+            total = 0
+            for kind, query in self.parts:
+                cur.execute(f"SELECT count(*) FROM ({query}) q", self._args(kind))  # noqa: S608
+                total += int(cur.fetchone()[0])
+            return total
+
+    def header(self, count: int, records_sha256: str) -> bytes:
+        """The header line of ``count`` records with this records digest (its length
+        depends on the count alone: the digest is 64 hex digits, the signature 64 bytes,
+        ``created_at`` fixed when the export began)."""
+        manifest = {
+            "format": FORMAT, "origin": self.origin, "checkpoint": self.cp.note.decode(),
+            "log_keys": [format_verifier_key(v.name, v.public_key)
+                         for v in log_verifiers(self.session, self.origin)],
+            "service_keys": [_b64(public_raw(self.signer.key))],
+            "keys": key_records(self.session), "selection": self.selection.to_json(),
+            "records": count, "created_at": self.created_at,
+        }
+        statement = bundle_statement(records_sha256=records_sha256, predicate=manifest)
+        return header_bytes(count, sign_statement(statement, self.signer.key)) + b"\n"
+
+    def write_records(self, dest: BinaryIO) -> tuple[int, str]:
+        """Every record line written to ``dest`` from where it stands: (records, the
+        records digest, hex)."""
+        conn, cp = self.conn, self.cp
+        with _Spooler(dest) as spooler:
             proofs = BundleProofs(conn.cursor(), cp)
             proof_json = proofs.proof_json
-            opener = Opener(conn.cursor(), kek)
+            opener = Opener(conn.cursor(), self.kek)
             batch: list[bytes] = []
             digests: list[bytes] = []  # each line's (v3: see ledger.core.bundle.line_digest)
-            for n, (kind, query) in enumerate(parts):
-                args = {"admin_event": [cp.tree_size], "erasure": [cp.tree_size],
-                        "matrix_run": [cp.tree_size], "envelope": params}.get(
-                            kind, [*params, cp.tree_size])
+            for n, (kind, query) in enumerate(self.parts):
                 with conn.cursor(name=f"export_{n}", binary=True) as rows:
                     rows.itersize = 2000
-                    rows.execute(f"{query} ORDER BY 1", args)
+                    rows.execute(f"{query} ORDER BY 1", self._args(kind))
                     for log_index, ref, dsse_bytes, *dsse_sha256 in rows:
                         # binary rows: bytea is bytes already, text is str
                         name, member = b"dsse", dsse_bytes
@@ -232,20 +317,7 @@ def _spooled(engine: Engine, selection: Selection, signer: Signer | None,
                             spooler.add(batch, digests)
                             batch, digests = [], []
             spooler.add(batch, digests)
-            count, records_sha256 = spooler.finish()
-            manifest = {
-                "format": FORMAT, "origin": origin, "checkpoint": cp.note.decode(),
-                "log_keys": [format_verifier_key(v.name, v.public_key)
-                             for v in log_verifiers(session, origin)],
-                "service_keys": [_b64(public_raw(signer.key))],
-                "keys": key_records(session), "selection": selection.to_json(),
-                "records": count, "created_at": datetime.now(UTC).isoformat(),
-            }
-            statement = bundle_statement(records_sha256=records_sha256,
-                                         predicate=manifest)
-            header = header_bytes(count, sign_statement(statement, signer.key)) + b"\n"
-            spool.seek(0)
-            yield header, count, spool
+            return spooler.finish()
 
 
 class _Spooler:

@@ -270,3 +270,40 @@ def test_chunks_in_shared_slots_and_pickled_chunks_agree(
     assert via_slots[0]["records"] == RECORDS
     assert via_slots[1].startswith(f"line {middle + 1} "), via_slots[1]
     assert "the signed payload names" in via_slots[1], via_slots[1]
+
+
+def test_an_export_into_a_file_and_through_a_pipe_holds_the_same_records(
+        bundle: Exported) -> None:
+    """Into a regular file ``write_bundle`` counts the records first and writes them once,
+    after a gap the header fills at the end; into anything else (a pipe here) through a
+    spool. Both give the same record lines, a header of the length the gap left, and
+    bundles that verify."""
+    import os
+    import threading
+
+    from ledger.db.session import make_engine
+    from ledger.log.export import Selection, write_bundle
+    from ledger.replay.records import Signer
+    from ledger.settings import Settings
+
+    service = Signer.from_file(bundle.tmp / "service.pem", "ledger", "ledger-service")
+    engine = make_engine(Settings(database_url=bundle.db_url), pool_size=1)
+    try:
+        direct = bundle.tmp / "direct.jsonl"
+        with direct.open("wb") as fh:
+            assert write_bundle(engine, Selection(), fh, service) == RECORDS
+        r, w = os.pipe()
+        got: list[bytes] = []
+        reader = threading.Thread(target=lambda: got.append(os.fdopen(r, "rb").read()))
+        reader.start()
+        with os.fdopen(w, "wb") as pipe:
+            assert write_bundle(engine, Selection(), pipe, service) == RECORDS
+        reader.join(30)
+    finally:
+        engine.dispose()
+    piped = write(bundle.tmp / "piped.jsonl", got[0].split(b"\n")[:-1])
+    a, b = direct.read_bytes().split(b"\n"), piped.read_bytes().split(b"\n")
+    assert a[1:] == b[1:] and len(a) == RECORDS + 2
+    assert orjson.loads(a[0])["records"] == RECORDS and a[0].startswith(b'{"format":')
+    for path in (direct, piped):
+        assert verify_file(path, trust=bundle.policy).records == RECORDS
