@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,3 +210,21 @@ def run_server(db_url: str, *, workers: int = 1, extra_env: dict[str, str] | Non
                     health_path="/healthz", log_path=log_path,
                     env={"LEDGER_DATABASE_URL": db_url, **(extra_env or {})}) as (base, proc):
         yield ApiServer(base, proc, log_path=log_path)
+
+
+def record_passed_on(app: Any, middleware: type, seen: Callable[[Any], None]) -> Any:
+    """The ``middleware`` instance in ``app``'s (started) middleware stack, with what it
+    hands on to the app behind it reported to ``seen`` (the HTTP scope) first: a fast
+    path's tests tell the requests it answered from those it passed on."""
+    node: Any = app.middleware_stack
+    while not isinstance(node, middleware):
+        node = node.app
+    inner = node.app
+
+    async def recording(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            seen(scope)
+        await inner(scope, receive, send)
+
+    node.app = recording
+    return node

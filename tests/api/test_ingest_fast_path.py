@@ -15,7 +15,7 @@ from ledger.api.routes.envelopes import IngestFastPath
 from ledger.db.session import make_engine
 from ledger.settings import Settings
 from tests.conftest import provision
-from tests.helpers import TEST_PEPPER, ApiServer, signed, statement
+from tests.helpers import TEST_PEPPER, ApiServer, record_passed_on, signed, statement
 
 FAST, ROUTED = "/v1/envelopes", "/v1/envelopes?wait=false"
 
@@ -80,17 +80,8 @@ def test_the_fast_path_answers_without_the_route_and_passes_the_rest_on(db_url: 
     reached: list[str] = []
     try:
         with TestClient(app) as client:
-            node: Any = app.middleware_stack
-            while not isinstance(node, IngestFastPath):
-                node = node.app
-            inner = node.app
-
-            async def recording(scope: Any, receive: Any, send: Any) -> None:
-                if scope["type"] == "http":
-                    reached.append(f"{scope['method']} {scope['path']}?{scope['query_string']!r}")
-                await inner(scope, receive, send)
-
-            node.app = recording
+            record_passed_on(app, IngestFastPath, lambda scope: reached.append(
+                f"{scope['method']} {scope['path']}?{scope['query_string']!r}"))
             auth = {"Authorization": f"Bearer {keys['ingester']}"}
             body = json.dumps(signed(statement("fast-inproc"), producer)).encode()
             assert client.post(FAST, content=body, headers=auth).status_code == 201

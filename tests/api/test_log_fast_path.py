@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
@@ -25,7 +24,7 @@ from ledger.core.keys import private_pem
 from ledger.db.session import make_engine
 from ledger.log.store import SUBTREES
 from ledger.settings import Settings
-from tests.helpers import TEST_PEPPER
+from tests.helpers import TEST_PEPPER, record_passed_on
 from tests.tamper.test_tile_nodes import (  # noqa: F401 - fixture
     ORIGIN,
     Log,
@@ -79,19 +78,10 @@ def paths(log: Log, tmp_path: Path) -> Iterator[Paths]:  # noqa: F811 - the fixt
     app = create_app(settings, engine)
     try:
         with TestClient(app) as client:
-            node: Any = app.middleware_stack
-            while not isinstance(node, LogReadFastPath):
-                node = node.app
-            inner = node.app
-            out = Paths(client, node, log.keys)
-
-            async def recording(scope: Any, receive: Any, send: Any) -> None:
-                if scope["type"] == "http":
-                    out.passed_on.append(scope["path"])
-                await inner(scope, receive, send)
-
-            node.app = recording
-            yield out
+            passed_on: list[str] = []
+            node = record_passed_on(app, LogReadFastPath,
+                                    lambda scope: passed_on.append(scope["path"]))
+            yield Paths(client, node, log.keys, passed_on)
     finally:
         engine.dispose()
 
