@@ -79,8 +79,10 @@ def log(db_url: str) -> Iterator[Log]:
         row = conn.execute("SELECT max(tree_size) FROM checkpoints").fetchone()
     assert row is not None and 512 < row[0] < 768
     SUBTREES.forget_all()
+    proofs.TILE_PATHS.forget()
     yield Log(db_url, pg, engine, signer, service, keys, row[0])
     SUBTREES.forget_all()
+    proofs.TILE_PATHS.forget()
     engine.dispose()
 
 
@@ -324,3 +326,30 @@ def test_export_in_chunks_and_to_a_file_is_the_export_by_line(log: Log,
     assert written[2:-2] == lines[1:]
     pinned = [parse_verifier_key(format_verifier_key(ORIGIN, log.signer.key.public_key()))]
     assert verify_lines(written[1:-2], pinned_log_keys=pinned).records == len(lines) - 1
+
+
+def test_proofs_from_what_earlier_proofs_proved_are_the_full_proofs(
+        log: Log, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once a proof went through a full tile, the next proofs in that (kept) tile take
+    their 8 in-tile siblings from it and the path above from what was proved
+    (``proofs.TilePaths``), without building anything: the same proofs, for every entry,
+    as built from the tiles, each verifying against the signed root; entries of the
+    partial tile are built as before."""
+    from ledger.core import tiles
+
+    inclusion(log, log.size - 1)                       # the process learns the size
+    built = {i: inclusion(log, i) for i in range(log.size)}   # built (and learned)
+    for i, r in built.items():
+        verify_inclusion(r.leaf_hash, i, log.size, r.proof, r.checkpoint.root_hash)
+    calls: list[int] = []
+    real = proofs.inclusion_proof_from_tiles
+
+    def counted(index: int, *args: object, **kwargs: object) -> list[bytes]:
+        calls.append(index)
+        return real(index, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(proofs, "inclusion_proof_from_tiles", counted)
+    for i in range(log.size):
+        assert inclusion(log, i).proof == built[i].proof, i
+    full = log.size >> tiles.TILE_HEIGHT << tiles.TILE_HEIGHT
+    assert calls == list(range(full, log.size))         # only the partial tile's entries
