@@ -49,6 +49,7 @@ from ledger.db.models import (
     AdminEvent,
     ApiKey,
     LogEntry,
+    MatrixRun,
     ReplayJob,
     ReplayJobItem,
     RetentionPolicy,
@@ -159,7 +160,7 @@ def retention_event(row: RetentionPolicy) -> dict[str, Any]:
                             created_by=row.created_by, created_at=row.created_at)
 
 
-def _signed_leaf(session: Session, kind: str, target: str, trusted: Mapping[str, bytes]
+def signed_leaf(session: Session, kind: str, target: str, trusted: Mapping[str, bytes]
                  ) -> tuple[Mapping[str, Any] | None, str | None]:
     """(the predicate of the one ``kind`` admin event about ``target``, None), or (None,
     why not): the event must be a leaf of the log (its entry commits to the stored DSSE
@@ -190,7 +191,7 @@ def retention_vouched(session: Session, row: RetentionPolicy,
     the row. Erasure cannot be undone, so this is checked before, not only by audit."""
     from ledger.core.registry import check_retention_record
 
-    pred, why = _signed_leaf(session, "retention.created", str(row.id), trusted)
+    pred, why = signed_leaf(session, "retention.created", str(row.id), trusted)
     if pred is None:
         return why
     try:
@@ -208,7 +209,7 @@ def matrix_vouched(session: Session, job: ReplayJob, trusted: Mapping[str, bytes
     ``matrix.requested`` leaf must be in the log, signed by one of ``trusted``, and state
     exactly the job's model, fingerprints, cells, tolerance, requester and records
     (:func:`matrix_event`). What ``ledger audit`` names, checked before a run is served."""
-    pred, why = _signed_leaf(session, MATRIX_EVENT_KIND, str(job.id), trusted)
+    pred, why = signed_leaf(session, MATRIX_EVENT_KIND, str(job.id), trusted)
     if pred is None:
         return why
     stated = pred.get("matrix")
@@ -234,11 +235,24 @@ def matrix_parts_problem(session: Session, lead: ReplayJob) -> str | None:
             select(ReplayJobItem.envelope_index, ReplayJobItem.request_id)
             .where(ReplayJobItem.job_id == job.id)).all())
 
-    want = records(lead)
+    def asked(job: ReplayJob, *own: str) -> dict[str, Any]:
+        return {k: v for k, v in (job.params or {}).items() if k not in own}
+
+    want, params = records(lead), asked(lead, "idempotency_key")
     for part in parts:
         if records(part) != want:
             return (f"its job {part.id} (fingerprint {part.fingerprint_id}) replays other "
                     "records than the request's")
+        if asked(part, "matrix_run", "idempotency_key") != params:
+            return (f"its job {part.id} (fingerprint {part.fingerprint_id}) asks for other "
+                    "cells or parameters than the request's")
+    # a stored report (its row checked against its worker's leaf by the audit) is for
+    # the fingerprint of the job it names
+    for job in (lead, *parts):
+        fp = session.scalar(select(MatrixRun.fingerprint_id).where(MatrixRun.job_id == job.id))
+        if fp is not None and fp != job.fingerprint_id:
+            return (f"its job {job.id} is for fingerprint {job.fingerprint_id}, the report "
+                    f"its worker signed for {fp}")
     return None
 
 

@@ -181,11 +181,16 @@ def checked_report(session: Session, row: MatrixRun, checker: RecordChecker
         signed = views.matrix_run_view(dsse_bytes)
     except LedgerError as exc:
         raise StoredReportMismatch(f"{where}: {exc.message}") from None
-    if signed["run_id"] != row.run_id or signed["report_sha256"] != sha256_hex(report):
+    stored = {"run_id": row.run_id, "job_id": None if row.job_id is None else str(row.job_id),
+              "worker_id": row.worker_id,
+              "fingerprint_id": row.fingerprint_id, "report_sha256": sha256_hex(report)}
+    if any(signed[f] != stored[f] for f in views.MATRIX_RUN_FIELDS):
         raise StoredReportMismatch(f"{where}: the stored report is not the one its worker "
                                    "signed; run `ledger audit`")
     checked: dict[str, Any] = {"log_index": row.log_index, "signed_by": signed["keyids"],
-                               "report_sha256": signed["report_sha256"], "checkpoint": None}
+                               "report_sha256": signed["report_sha256"], "checkpoint": None,
+                               "worker_id": signed["worker_id"],
+                               "fingerprint_id": signed["fingerprint_id"]}
     try:
         receipt = proofs.inclusion(session, row.log_index)
         cp = open_checkpoint(receipt.checkpoint.note, checker.log_verifiers(session),
@@ -202,10 +207,6 @@ def checked_report(session: Session, row: MatrixRun, checker: RecordChecker
 
 
 # --- requested through the API -------------------------------------------------------------
-
-MAX_SAMPLE = 256
-MAX_CELLS = 16
-
 
 @dataclass
 class Requested:
@@ -360,8 +361,13 @@ def _part_state(session: Session, job: ReplayJob, checker: RecordChecker) -> dic
     row = session.scalar(select(MatrixRun).where(MatrixRun.job_id == job.id))
     if row is not None:
         report, checked = checked_report(session, row, checker)
+        if checked["fingerprint_id"] != job.fingerprint_id:
+            raise StoredReportMismatch(
+                f"matrix run {row.run_id}: its worker signed a report for fingerprint "
+                f"{checked['fingerprint_id']}, its job is for {job.fingerprint_id}; run "
+                "`ledger audit`")
         out["report"] = orjson.loads(report)
-        out["signed"] = {**checked, "run_id": row.run_id, "worker_id": row.worker_id}
+        out["signed"] = {**checked, "run_id": row.run_id}
     return out
 
 

@@ -26,6 +26,7 @@ from sqlalchemy.orm import Session
 
 from ledger.core.states import JOB_FINISHED, VerdictOutcome
 from ledger.db.models import (
+    AdminEvent,
     Envelope,
     MatrixRun,
     ReplayJob,
@@ -219,18 +220,40 @@ def _gate_decision(session: Session, run: ReverificationRun, out: dict[str, Any]
     """A gate's pass/fail from the signed report of its matrix run over the new
     fingerprint (checked against its leaf first); a gate claimed before gates were matrix
     runs is decided by its verdicts, as it was."""
+    from ledger.log.registry import matrix_vouched
     from ledger.replay import matrix_runs
     from ledger.replay.gate import GATE_TOLERANCE
     from ledger.replay.matrix import gate_decision
     from ledger.settings import get_settings
 
+    checker = checker or matrix_runs.checker_for(get_settings())
+    model, new_fp = run.details.get("model_sha256"), run.details.get("new_fingerprint")
     lead = session.scalar(select(ReplayJob).where(
         ReplayJob.run_id == run.id, ReplayJob.kind == "matrix").order_by(ReplayJob.created_at))
     if lead is None:
+        # only a gate claimed before gates were matrix runs: one whose matrix run exists
+        # (a signed request at the gate's tolerance, for its fingerprint and model) but
+        # is no longer tied to it in the database is not decided by verdicts instead
+        if _gate_requests(session, checker, model, new_fp):
+            return {"passed": False, "decided_by": "signed matrix report", "matrix_run": None,
+                    "reason": "a signed matrix request of this gate exists, but no matrix "
+                              "run of the database is tied to the gate; run `ledger audit`"}
         return {"passed": gate_passed(out) if complete else None, "decided_by": "verdicts",
                 "matrix_run": None, "reason": None}
     decided: dict[str, Any] = {"decided_by": "signed matrix report",
                                "matrix_run": str(lead.id), "passed": None, "reason": None}
+    # the gate-to-run tie is a database column: the run must be vouched for by its
+    # signed request, and that request must be a gate's (the code's tolerance; only the
+    # gate asks for one) over this gate's new fingerprint and model
+    why = matrix_vouched(session, lead, checker.service_keys(session))
+    stated = lead.params or {}
+    if why is None and (stated.get("fingerprints") != [new_fp]
+                        or stated.get("model_sha256") != model
+                        or stated.get("tolerance") != GATE_TOLERANCE):
+        why = "its signed request is not this gate's (fingerprint, model or tolerance)"
+    if why is not None:
+        decided.update(passed=False, reason=f"matrix run {lead.id}: {why}; run `ledger audit`")
+        return decided
     if not complete:
         return decided
     row = session.scalar(select(MatrixRun).where(MatrixRun.job_id == lead.id))
@@ -239,8 +262,11 @@ def _gate_decision(session: Session, run: ReverificationRun, out: dict[str, Any]
                                             f"signed report: {lead.state_reason or ''}")
         return decided
     try:
-        report_bytes, _ = matrix_runs.checked_report(
-            session, row, checker or matrix_runs.checker_for(get_settings()))
+        report_bytes, checked = matrix_runs.checked_report(session, row, checker)
+        if checked["fingerprint_id"] != new_fp:
+            raise matrix_runs.StoredReportMismatch(
+                f"matrix run {row.run_id}: its worker signed a report for fingerprint "
+                f"{checked['fingerprint_id']}, not the gate's {new_fp}")
     except matrix_runs.StoredReportMismatch as exc:
         decided.update(passed=False, reason=exc.message)
         return decided
@@ -249,6 +275,25 @@ def _gate_decision(session: Session, run: ReverificationRun, out: dict[str, Any]
         orjson.loads(report_bytes), tolerance=GATE_TOLERANCE, expected_records=run.sampled)
     decided.update(passed=passed, reason=reason)
     return decided
+
+
+def _gate_requests(session: Session, checker: RecordChecker, model: Any, new_fp: Any
+                   ) -> list[str]:
+    """IDs of the matrix runs whose signed request (a leaf by a believed service key) is a
+    fingerprint gate's for ``new_fp`` and ``model``."""
+    from ledger.core.statements import MATRIX_EVENT_KIND
+    from ledger.log.registry import signed_leaf
+    from ledger.replay.gate import GATE_TOLERANCE
+
+    trusted, found = checker.service_keys(session), []
+    for target in session.scalars(select(AdminEvent.target).where(
+            AdminEvent.kind == MATRIX_EVENT_KIND,
+            AdminEvent.body["matrix"]["model_sha256"].as_string() == str(model))):
+        pred, _ = signed_leaf(session, MATRIX_EVENT_KIND, target, trusted)
+        m = (pred or {}).get("matrix") or {}
+        if m.get("fingerprints") == [new_fp] and m.get("tolerance") == GATE_TOLERANCE:
+            found.append(target)
+    return found
 
 
 def comparison_summary(details: list[dict[str, Any]]) -> dict[str, Any]:

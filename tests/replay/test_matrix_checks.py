@@ -211,6 +211,21 @@ def test_the_fingerprint_gate_is_decided_by_its_signed_matrix_report(
     with session_scope(stack.db) as s:
         tampered = reverification.report(s, str(run_id), checker)["gate"]
     assert tampered["passed"] is False and "not the one its worker signed" in tampered["reason"]
+    # the tie of gate and run is a column: untied, the gate does not fall back to its
+    # verdicts while a signed request of it exists; tied to a run asking for something
+    # else, it fails
+    with _superuser(stack.settings.database_url) as conn:
+        conn.execute("UPDATE matrix_runs SET report = %s WHERE job_id = %s", (raw, matrix_id))
+        conn.execute("UPDATE replay_jobs SET run_id = NULL WHERE id = %s", (matrix_id,))
+    with session_scope(stack.db) as s:
+        untied = reverification.report(s, str(run_id), checker)["gate"]
+    assert untied["passed"] is False and "tied to the gate" in untied["reason"], untied
+    with _superuser(stack.settings.database_url) as conn:
+        conn.execute("UPDATE replay_jobs SET run_id = %s, params = jsonb_set(params, "
+                     "'{tolerance}', '0.5') WHERE id = %s", (run_id, matrix_id))
+    with session_scope(stack.db) as s:
+        retied = reverification.report(s, str(run_id), checker)["gate"]
+    assert retied["passed"] is False and "signed leaf" in retied["reason"], retied
 
 
 def test_a_matrix_run_request_is_a_signed_leaf_the_audit_holds_its_jobs_to(
@@ -311,7 +326,7 @@ def test_a_matrix_run_is_served_only_as_its_signed_request_states_it(
     ask = {"actor": "bob", "model_sha256": model, "records_fingerprint_id": None,
            "sample": 3, "cells": ["alone"], "fingerprint_id": None}
     runs = []
-    for seed in range(5):
+    for seed in range(6):
         with session_scope(stack.db) as s:
             runs.append(request_matrix_run(
                 s, stack.settings, signer=stack.service,
@@ -342,9 +357,9 @@ def test_a_matrix_run_is_served_only_as_its_signed_request_states_it(
                 assert (r["requested_by"] is None) == (r["problem"] is not None), r
             return {r["id"]: r["problem"] for r in items}
 
-    assert [served(r) for r in runs] == [None] * 5
+    assert [served(r) for r in runs] == [None] * 6
     assert set(listed().values()) == {None}
-    rewritten, unsigned, fine, planted_in, repointed = runs
+    rewritten, unsigned, fine, planted_in, repointed, recelled = runs
     with _superuser(stack.settings.database_url) as conn:
         conn.execute("UPDATE replay_jobs SET params = jsonb_set(params, '{requested_by}', "
                      "'\"mallory\"') WHERE id = %s", (rewritten,))
@@ -362,17 +377,23 @@ def test_a_matrix_run_is_served_only_as_its_signed_request_states_it(
         conn.execute("UPDATE replay_job_items SET envelope_index = %s, request_id = %s "
                      "WHERE position = 0 AND job_id = (SELECT id FROM replay_jobs "
                      "WHERE params->>'matrix_run' = %s)", (index, rid, str(repointed)))
+        # the other part of a two-fingerprint run asks its worker for other cells
+        conn.execute("UPDATE replay_jobs SET params = jsonb_set(params, '{cells}', "
+                     "'[\"kernels:default\"]') WHERE params->>'matrix_run' = %s",
+                     (str(recelled),))
     why = {r: served(r) for r in runs}
     assert why[fine] is None
     assert "differ from the request its signed leaf states" in str(why[rewritten])
     assert "no single matrix.requested leaf" in str(why[unsigned])
     assert "its jobs are for fingerprints" in str(why[planted_in])
     assert "replays other records than the request's" in str(why[repointed])
+    assert "asks for other cells or parameters" in str(why[recelled])
     assert {k for k, v in listed().items() if v} == {str(r) for r in runs if r != fine}
     found = [p for p in audit(stack.db, stack.settings.log_name, signatures=True,
                               trust=stack.trust).problems if "matrix run" in p]
     for run, words in ((rewritten, "requested_by"), (planted_in, "its jobs are for"),
-                       (repointed, "replays other records")):
+                       (repointed, "replays other records"),
+                       (recelled, "asks for other cells")):
         assert any(f"matrix run {run}" in p and words in p for p in found), (run, found)
     assert any(f"requests matrix run {unsigned}" in p or f"matrix run {unsigned}" in p
                for p in found), found
