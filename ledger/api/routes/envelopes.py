@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from functools import partial
 from types import SimpleNamespace
 from typing import Annotated, Any, Literal
 
@@ -16,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy.orm import Session
 
 from ledger import metrics
-from ledger.api.auth import Credentials, bearer_key, check_role, presented, require
+from ledger.api.auth import Credentials, authorize_reads, bearer_key, presented, require
 from ledger.api.deps import get_session, get_settings_dep
 from ledger.api.fast import error_response
 from ledger.api.params import (
@@ -49,7 +50,7 @@ from ledger.privacy.keys import kek_from_settings
 from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
 from ledger.services import envelopes as envelope_service
 from ledger.services import ingest as ingest_service
-from ledger.services.apikeys import Principal, authenticate_reads
+from ledger.services.apikeys import Principal
 from ledger.services.keys import KeyRing, load_keyring_reads
 from ledger.settings import Settings
 
@@ -99,22 +100,22 @@ def _count(results: list[ingest_service.ItemResult]) -> None:
             metrics.REJECTED.labels("request_id_conflict").inc()
 
 
-def _ingest_sync(app: Any, credentials: Credentials, body: bytes | LedgerError,
+def _ingest_sync(app: Any, credentials: Credentials | None, body: bytes | LedgerError,
                  settings: Settings, *, atomic: bool, batch: bool
                  ) -> ingest_service.IngestReport:
     """All of an ingest request that is not I/O-bound, in one thread-pool hop: check the
-    API key and its role (first: nothing of an unauthorised request is parsed), read the
-    body's envelopes, verify and validate them, then store through the process's group
-    commit (what it stored is committed when this returns).
+    API key and its role (first: nothing of an unauthorised request is parsed; None: the
+    route's dependency checked them before the body was read), read the body's
+    envelopes, verify and validate them, then store through the process's group commit
+    (what it stored is committed when this returns).
 
     The key and the producer keys are read on an autocommit connection without a pre-ping
     (:class:`~ledger.db.session.AutocommitReads`): one round trip each, from the rows as
     they are now, so a revoked API key or signing key is refused from the next request
     on, as with a session."""
     with AutocommitReads(app.state.ingest_reads) as reads:
-        principal = authenticate_reads(reads, credentials.api_key,
-                                       settings.api_key_pepper.get_secret_value())
-        check_role(principal, credentials.permission)
+        if credentials is not None:
+            authorize_reads(reads, settings, credentials.api_key, credentials.permission)
         if isinstance(body, LedgerError):
             raise body
         items = _batch_items(body, settings) if batch else [body]
@@ -266,9 +267,14 @@ async def _receipts_in(request: Request, session: Session, indices: list[int],
             except Exception as exc:  # noqa: BLE001 - the entries are stored; say so, no 500
                 log.error("integration for a receipt failed: %s", exc)
         try:
-            first = await run_in_threadpool(proofs.inclusion, session, needed)
+            # with the API's log keys, as every proof route: a note they did not sign is
+            # refused, never served as a receipt
+            keys = request.app.state.log_keys
+            first = await run_in_threadpool(partial(proofs.inclusion, log_keys=keys),
+                                            session, needed)
             size = first.tree_size
-            out = [await run_in_threadpool(proofs.inclusion, session, i, size) for i in indices]
+            out = [first if i == needed else await run_in_threadpool(
+                partial(proofs.inclusion, log_keys=keys), session, i, size) for i in indices]
             session.commit()
             return [o.to_json() for o in out]
         except proofs.NotYetIntegrated:
@@ -307,10 +313,13 @@ async def ingest_batch(
     atomic: bool = Query(False, description="All or nothing"),
     wait: bool = Query(False, description="Wait for integration; add a receipt per item"),
     timeout: float = Query(5.0, gt=0, le=60, description="Seconds to wait for receipts"),
-    credentials: Credentials = Depends(presented("envelopes:write")),
+    # the key before the body: a batch may be up to max_request_bytes, which a caller
+    # without a valid key must not get buffered (the single POST's 4 MiB cap keeps its
+    # check in the one hop)
+    _: Principal = Depends(require("envelopes:write")),
     settings: Settings = Depends(get_settings_dep),
 ) -> Response:
-    report = await run_in_threadpool(_ingest_sync, request.app, credentials,
+    report = await run_in_threadpool(_ingest_sync, request.app, None,
                                      await request.body(), settings, atomic=atomic,
                                      batch=True)
     _count(report.results)
