@@ -11,6 +11,7 @@ worker keys the ledger vouched for."""
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import os
 import queue
@@ -35,6 +36,7 @@ from ledger.core.bundle import (
     record_suffix,
 )
 from ledger.core.keys import public_raw
+from ledger.core.logentry import dsse_digest
 from ledger.core.note import format_verifier_key
 from ledger.core.sealing import KeyEncryptionKey
 from ledger.core.statements import bundle_statement
@@ -135,8 +137,12 @@ def write_bundle(engine: Engine, selection: Selection, out: BinaryIO,
 
 
 def _is_regular_file(out: BinaryIO) -> bool:
+    """Whether the records can go straight into ``out``: a regular file, seekable and not
+    opened to append (every write of which would land at the end, the header too)."""
     try:
-        return out.seekable() and stat.S_ISREG(os.fstat(out.fileno()).st_mode)
+        fd = out.fileno()
+        return (out.seekable() and stat.S_ISREG(os.fstat(fd).st_mode)
+                and not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND)
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -308,7 +314,7 @@ class _Export:
                             # the stored digest of an envelope's bytes (a wrong one makes
                             # a bundle that ``ledger verify`` refuses, not a false one)
                             hex_digest = (dsse_sha256[0].hex() if dsse_sha256
-                                          else hashlib.sha256(member).hexdigest())
+                                          else dsse_digest(member))
                             digests.append(dsse_line_digest(prefix, hex_digest, suffix))
                         else:
                             digests.append(hashlib.sha256(line[:-1]).digest())

@@ -206,14 +206,15 @@ def _verified(build: Callable[[Memo | None], T], check: Callable[[T], None], mem
 
 
 def _read(cur: Any, size: int | None, sizes: list[int | None], index: int | None,
-          slices: Callable[[int, Memo], list[NodeSlice]]) -> tuple[str, Memo, ProofRows]:
+          slices: Callable[[str, int, Memo], list[NodeSlice]]
+          ) -> tuple[str, Memo, ProofRows]:
     """A proof's one round trip: the checkpoints of ``sizes``, entry ``index`` and the
-    stored hashes ``slices(size, memo)`` names that the process cache lacks, for ``size``
-    (None: the latest this process saw; nothing the first time)."""
+    stored hashes ``slices(scope, size, memo)`` names that the process cache lacks, for
+    ``size`` (None: the latest this process saw; nothing the first time)."""
     scope = database_scope(cur)
     memo = SUBTREES.for_scope(scope)
     guess = _LATEST.get(scope) if size is None else size
-    want = slices(guess, memo) if guess is not None else []
+    want = slices(scope, guess, memo) if guess is not None else []
     return scope, memo, read_for_proof(cur, sizes, index, want, SUBTREES, scope)
 
 
@@ -246,7 +247,7 @@ def inclusion(session: Session | Connection, log_index: int, tree_size: int | No
     with conn.cursor(binary=True) as cur:
         scope, memo, rows = _read(
             cur, tree_size, [tree_size], log_index,
-            lambda size, memo: [] if TILE_PATHS.ready(database_scope(cur), size, log_index)
+            lambda scope, size, memo: [] if TILE_PATHS.ready(scope, size, log_index)
             else inclusion_proof_slices(log_index, size, memo)
             if 0 <= log_index < size else [])
         cp = signed_checkpoint(_found(_pick(rows.checkpoints, tree_size), tree_size),
@@ -371,7 +372,7 @@ def consistency(session: Session | Connection, old_size: int, new_size: int | No
     with conn.cursor(binary=True) as cur:
         scope, memo, rows = _read(
             cur, new_size, [new_size, old_size], None,
-            lambda size, memo: consistency_proof_slices(old_size, size, memo)
+            lambda _scope, size, memo: consistency_proof_slices(old_size, size, memo)
             if 0 <= old_size <= size else [])
         new_cp = signed_checkpoint(_found(_pick(rows.checkpoints, new_size), new_size),
                                    log_keys)

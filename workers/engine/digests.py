@@ -60,9 +60,6 @@ class CpuDigester:
         """Digests of the rows of fp32 logits [B, V], as futures of row chunks in order."""
         return [self.pool.submit(logits_digests, staged.cpu())]
 
-    def submit(self, logits: Tensor) -> list[Future[list[str]]]:
-        return self.start(self.stage(logits))
-
 
 def _hash_rows(ready: torch.cuda.Event, rows: Any, lo: int, hi: int) -> list[str]:
     ready.synchronize()                         # the device-to-host copy has landed
@@ -151,6 +148,3 @@ class CudaDigester:
                         for lo in range(0, b, step)]
         return list(slot.futures)
 
-    def submit(self, logits: Tensor) -> list[Future[list[str]]]:
-        """Digests of the rows of fp32 logits [B, V] (on the device), at once."""
-        return self.start(self.stage(logits))

@@ -30,8 +30,7 @@ from typing import Any
 
 import torch
 
-from ledger.replay.matrix import (  # noqa: F401 - parse_cell, DEFAULT_CELLS re-exported
-    AXES,
+from ledger.replay.matrix import (
     DEFAULT_CELLS,
     CellResult,
     Replayed,
