@@ -35,7 +35,14 @@ from ledger.core.logentry import dsse_digest, log_entry_bytes, verify_record_inc
 from ledger.core.note import open_checkpoint
 from ledger.core.statements import MATRIX_EVENT_KIND, matrix_report_bytes, matrix_run_statement
 from ledger.core.states import JOB_FINISHED
-from ledger.db.models import Fingerprint, MatrixRun, ReplayJob, ReplayJobItem, Worker
+from ledger.db.models import (
+    Fingerprint,
+    MatrixRun,
+    ReplayJob,
+    ReplayJobItem,
+    ReverificationRun,
+    Worker,
+)
 from ledger.db.session import raw_cursor
 from ledger.errors import BadRequest, Conflict, NotFound
 from ledger.log import proofs
@@ -420,7 +427,7 @@ def matrix_run_state(session: Session, job_id: uuid.UUID | str, checker: RecordC
              "max_abs_logprob_diff": c["max_abs_logprob_diff"],
              "first_divergence_histogram": c["first_divergence_histogram"]}
             for p in parts if p["report"] is not None for c in p["report"]["cells"]],
-        "gate_run_id": str(job.run_id) if job.run_id else None}
+        "gate_run_id": gate_of(session, job)}
     for hidden in ("idempotency_key", "request_sha256"):
         out["params"].pop(hidden, None)
     return out
@@ -428,6 +435,22 @@ def matrix_run_state(session: Session, job_id: uuid.UUID | str, checker: RecordC
 
 #: Matrix runs newest first (lead jobs: their ID is the run's)
 MATRIX_ORDER = SortKey(((ReplayJob.created_at, True), (ReplayJob.id, True)), ("time", "uuid"))
+
+
+def gate_of(session: Session, job: ReplayJob) -> str | None:
+    """The fingerprint gate a matrix run (vouched for by its signed request) decides, or
+    None. Its tie, ``run_id``, is a database column: it counts only where the gate's
+    claim (held to its ``gate.claimed`` leaf by ``ledger audit``) is for the run's one
+    fingerprint and model, at the gate's tolerance, which only a gate asks for."""
+    from ledger.replay.gate import GATE_TOLERANCE
+
+    run = session.get(ReverificationRun, job.run_id) if job.run_id else None
+    asked = job.params or {}
+    if run is None or run.kind != "gate" or asked.get("tolerance") != GATE_TOLERANCE \
+            or asked.get("fingerprints") != [run.details.get("new_fingerprint")] \
+            or asked.get("model_sha256") != run.details.get("model_sha256"):
+        return None
+    return str(run.id)
 
 
 def list_matrix_runs(session: Session, checker: RecordChecker, *, limit: int = 100,
@@ -454,7 +477,7 @@ def list_matrix_runs(session: Session, checker: RecordChecker, *, limit: int = 1
             item.update(model_sha256=params.get("model_sha256"),
                         cells=params.get("cells") or [],
                         requested_by=params.get("requested_by"),
-                        gate_run_id=str(job.run_id) if job.run_id else None,
+                        gate_run_id=gate_of(session, job),
                         parts=[(p.fingerprint_id, p.state) for p in run_parts(session, job)])
         out.append(item)
     return Page(out, next_cursor)

@@ -246,10 +246,7 @@ def _gate_decision(session: Session, run: ReverificationRun, out: dict[str, Any]
     # signed request, and that request must be a gate's (the code's tolerance; only the
     # gate asks for one) over this gate's new fingerprint and model
     why = matrix_vouched(session, lead, checker.service_keys(session))
-    stated = lead.params or {}
-    if why is None and (stated.get("fingerprints") != [new_fp]
-                        or stated.get("model_sha256") != model
-                        or stated.get("tolerance") != GATE_TOLERANCE):
+    if why is None and matrix_runs.gate_of(session, lead) != str(run.id):
         why = "its signed request is not this gate's (fingerprint, model or tolerance)"
     if why is not None:
         decided.update(passed=False, reason=f"matrix run {lead.id}: {why}; run `ledger audit`")

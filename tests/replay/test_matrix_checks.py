@@ -197,6 +197,22 @@ def test_the_fingerprint_gate_is_decided_by_its_signed_matrix_report(
     assert cell["records"] == 5
     assert (cell["within_tolerance"] == 5) is decision["passed"]
     assert state["gate_run_id"] == str(run_id)
+    # a matrix run the API requested, tied to the gate in the database: not the gate's
+    from ledger.replay.matrix_runs import request_matrix_run
+
+    with session_scope(stack.db) as s:
+        other = request_matrix_run(
+            s, stack.settings, signer=stack.service, actor="eve", sample=5, seed=0,
+            model_sha256=recs[0].statement["predicate"]["artifacts"]["model_sha256"],
+            fingerprint_id=bf16.fingerprint_id, records_fingerprint_id=None,
+            cells=["alone"]).job.id
+    with _superuser(stack.settings.database_url) as conn:
+        conn.execute("UPDATE replay_jobs SET run_id = %s WHERE id = %s", (run_id, other))
+    with session_scope(stack.db) as s:
+        assert matrix_run_state(s, other, checker)["gate_run_id"] is None
+        assert matrix_run_state(s, matrix_id, checker)["gate_run_id"] == str(run_id)
+    with _superuser(stack.settings.database_url) as conn:
+        conn.execute("UPDATE replay_jobs SET run_id = NULL WHERE id = %s", (other,))
     # the insider raises the within-tolerance count of a failing gate (or lowers a passing
     # one's): the stored report no longer matches its signed leaf, and the gate fails
     with session_scope(stack.db) as s:
