@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from sqlalchemy.orm import Session
 
 from ledger import metrics
-from ledger.api.auth import Credentials, authorize_reads, bearer_key, presented, require
+from ledger.api.auth import Credentials, authorize_reads_with_keys, bearer_key, presented, require
 from ledger.api.deps import get_session, get_settings_dep
 from ledger.api.fast import error_response
 from ledger.api.params import (
@@ -39,7 +39,7 @@ from ledger.api.schemas import (
     EnvelopePage,
     IngestResult,
 )
-from ledger.core import jsonstrict
+from ledger.core import dsse, jsonstrict
 from ledger.core.envelope import envelope_json_schema
 from ledger.core.errors import FormatError, LedgerError, ValidationFailed
 from ledger.db.session import AutocommitReads
@@ -51,7 +51,7 @@ from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
 from ledger.services import envelopes as envelope_service
 from ledger.services import ingest as ingest_service
 from ledger.services.apikeys import Principal
-from ledger.services.keys import KeyRing, load_keyring_reads
+from ledger.services.keys import KeyRing, ReadKeys, load_keyring_reads
 from ledger.settings import Settings
 
 router = APIRouter(prefix="/v1", tags=["envelopes"], responses=COMMON_RESPONSES)
@@ -110,20 +110,33 @@ def _ingest_sync(app: Any, credentials: Credentials | None, body: bytes | Ledger
     (what it stored is committed when this returns).
 
     The key and the producer keys are read on an autocommit connection without a pre-ping
-    (:class:`~ledger.db.session.AutocommitReads`): one round trip each, from the rows as
-    they are now, so a revoked API key or signing key is refused from the next request
-    on, as with a session."""
+    (:class:`~ledger.db.session.AutocommitReads`), from the rows as they are now, so a
+    revoked API key or signing key is refused from the next request on, as with a
+    session. A single envelope's producer keys are read in the API key's own statement
+    (one round trip for both): the key IDs to read are those the body's bytes name, found
+    by a byte search (:func:`~ledger.core.dsse.keyids_named`) before the key check, which
+    parses nothing and decides nothing: the answer still waits for the key and role, and
+    the envelope is then parsed and verified as before, against exactly the keys its
+    signatures name (one it did not find is read then, in a round trip of its own)."""
     with AutocommitReads(app.state.ingest_reads) as reads:
+        read_ahead: ReadKeys | None = None
         if credentials is not None:
-            authorize_reads(reads, settings, credentials.api_key, credentials.permission)
+            named = dsse.keyids_named(body) if isinstance(body, bytes) and not batch else []
+            _, read_ahead = authorize_reads_with_keys(
+                reads, settings, credentials.api_key, credentials.permission, named)
+            reads.release()  # not held while the body is read and verified
         if isinstance(body, LedgerError):
             raise body
         items = _batch_items(body, settings) if batch else [body]
         metrics.BATCH_SIZE.observe(len(items))
 
         def producer_keys(keyids: Iterable[str]) -> KeyRing:
+            ids = set(keyids)
+            ring = read_ahead.keyring(ids, purpose="producer") if read_ahead else None
+            if ring is not None:
+                return ring
             try:
-                return load_keyring_reads(reads, keyids, purpose="producer")
+                return load_keyring_reads(reads, ids, purpose="producer")
             finally:
                 reads.release()  # not held while the items are verified and stored
 
