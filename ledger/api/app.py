@@ -466,10 +466,12 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
         settings, url=engine.url.render_as_string(hide_password=False), pool_size=1),
         settings)
     # ingest's reads (the API key, the producer keys): autocommit, no pre-ping
-    # (ledger.db.session.AutocommitReads retries a statement that met a dropped connection)
+    # (ledger.db.session.AutocommitReads retries a statement that met a dropped connection);
+    # every request takes one, so at more than db_pool_size concurrent ingests the overflow
+    # is kept, not reconnected per request (benchmarks/ingest_cpu.py: sessions opened)
     app.state.ingest_reads = make_engine(
         settings, url=engine.url.render_as_string(hide_password=False), pre_ping=False,
-        autocommit=True, application_name=INGEST_READS_APPLICATION)
+        autocommit=True, application_name=INGEST_READS_APPLICATION, keep_overflow=True)
     _log_proofs_state(app, settings, engine)
     app.state.service_signer = Signer.from_file(settings.service_key_file, "ledger",
                                                 "ledger-service")
