@@ -43,6 +43,7 @@ from ledger.core import dsse
 from ledger.core.envelope import IndexFields, Limits, index_fields, parse_statement, runtime_of
 from ledger.core.errors import FormatError, LedgerError, ValidationFailed
 from ledger.core.sealing import KeyEncryptionKey
+from ledger.db.arrays import ByteaArray, TextArray, TimestamptzArray
 from ledger.db.session import raw_cursor
 from ledger.privacy import keys as privacy_keys
 from ledger.services import sequencer
@@ -327,10 +328,10 @@ _STORE_ENVELOPES = """, stored AS (
   SELECT seq.start + e.ord - 1, e.request_id, e.dsse, e.dsse_sha256,
          string_to_array(e.keyids, ','), e.model_sha256, e.model_name, e.fingerprint_id,
          e.channel, e.tier, e.recorded_at, e.prompt_tokens, e.output_tokens
-  FROM seq, unnest(%(request_id)s::text[], %(dsse)b::bytea[], %(dsse_sha256)b::bytea[],
-                   %(keyids)s::text[], %(model_sha256)s::text[], %(model_name)s::text[],
-                   %(fingerprint_id)s::text[], %(channel)s::text[], %(tier)s::text[],
-                   %(recorded_at)s::timestamptz[], %(prompt_tokens)s::int4[],
+  FROM seq, unnest(%(request_id)b::text[], %(dsse)b::bytea[], %(dsse_sha256)b::bytea[],
+                   %(keyids)b::text[], %(model_sha256)b::text[], %(model_name)s::text[],
+                   %(fingerprint_id)b::text[], %(channel)b::text[], %(tier)b::text[],
+                   %(recorded_at)b::timestamptz[], %(prompt_tokens)s::int4[],
                    %(output_tokens)s::int4[])
        WITH ORDINALITY AS e(request_id, dsse, dsse_sha256, keyids, model_sha256, model_name,
                             fingerprint_id, channel, tier, recorded_at, prompt_tokens,
@@ -338,7 +339,7 @@ _STORE_ENVELOPES = """, stored AS (
 ), fingerprinted AS (
   INSERT INTO fingerprints (fingerprint_id, runtime)
   SELECT f.fingerprint_id, f.runtime::jsonb
-  FROM unnest(%(fp_id)s::text[], %(fp_runtime)s::text[]) AS f(fingerprint_id, runtime)
+  FROM unnest(%(fp_id)b::text[], %(fp_runtime)b::text[]) AS f(fingerprint_id, runtime)
   WHERE (SELECT start FROM seq) IS NOT NULL
   ON CONFLICT (fingerprint_id) DO NOTHING
 )"""
@@ -370,19 +371,25 @@ def _write(cur: Any, new: Sequence[Prepared], settings: Settings | None = None) 
     stored = _stored_bytes(cur, kek, new)
     fields = [p.fields for p in new]
     fingerprints = {p.fields.fingerprint_id: p.runtime for p in new}
+    # Typed arrays (ledger.db.arrays) for the values validation already held to a pattern,
+    # an enum or a type, and our own JSON (orjson escapes a NUL); the model name (free
+    # text) and the token counts are adapted by psycopg as before.
     params = {
-        "request_id": [f.request_id for f in fields], "dsse": stored,
-        "dsse_sha256": [p.dsse_sha256 for p in new],
-        "keyids": [",".join(p.keyids) for p in new],  # 64-hex each (dsse.py): no commas
-        "model_sha256": [f.model_sha256 for f in fields],
+        "request_id": TextArray(f.request_id for f in fields), "dsse": ByteaArray(stored),
+        "dsse_sha256": ByteaArray(p.dsse_sha256 for p in new),
+        # 64-hex each (dsse.py): no commas
+        "keyids": TextArray(",".join(p.keyids) for p in new),
+        "model_sha256": TextArray(f.model_sha256 for f in fields),
         "model_name": [f.model_name for f in fields],
-        "fingerprint_id": [f.fingerprint_id for f in fields],
-        "channel": [f.channel for f in fields], "tier": [f.tier for f in fields],
-        "recorded_at": [f.recorded_at for f in fields],
+        "fingerprint_id": TextArray(f.fingerprint_id for f in fields),
+        "channel": TextArray(f.channel for f in fields),
+        "tier": TextArray(f.tier for f in fields),
+        "recorded_at": TimestamptzArray(f.recorded_at for f in fields),
         "prompt_tokens": [f.prompt_tokens for f in fields],
         "output_tokens": [f.output_tokens for f in fields],
-        "fp_id": sorted(fingerprints),
-        "fp_runtime": [orjson.dumps(fingerprints[k]).decode() for k in sorted(fingerprints)],
+        "fp_id": TextArray(sorted(fingerprints)),
+        "fp_runtime": TextArray(orjson.dumps(fingerprints[k]).decode()
+                                for k in sorted(fingerprints)),
     }
     return sequencer.append(cur, [("envelope", f.request_id, p.dsse_sha256.hex())
                                   for f, p in zip(fields, new, strict=True)],
