@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from types import SimpleNamespace
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
 from ledger import metrics
@@ -54,6 +54,7 @@ from ledger.services.apikeys import Principal
 from ledger.services.keys import KeyRing, ReadKeys, load_keyring_reads
 from ledger.settings import Settings
 
+T = TypeVar("T")
 router = APIRouter(prefix="/v1", tags=["envelopes"], responses=COMMON_RESPONSES)
 log = logging.getLogger("ledger.api")
 
@@ -144,6 +145,18 @@ def _ingest_sync(app: Any, credentials: Credentials | None, body: bytes | Ledger
                                            group_commit=app.state.group_commit)
 
 
+async def in_ingest_thread(app: Any, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` on the app's ingest threads (``app.state.ingest_threads``),
+    awaited: an asyncio executor hop, which costs about half the CPU of Starlette's
+    ``run_in_threadpool`` (anyio's capacity limiter, cancel scope and backend lookups:
+    80-125 us a hop against 38-72 on the 2-core VM, 1 and 8 at once). Unlike anyio's, a
+    cancelled caller does not wait for the thread: the work still runs to its end (what
+    it stores is committed), only its answer is dropped."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(app.state.ingest_threads,
+                                      partial(fn, *args, **kwargs))
+
+
 async def _read_capped(request: Request, limit: int) -> bytes:
     """The body, refused (413) as soon as it is known to pass ``limit`` bytes: from its
     Content-Length before reading, or while reading a chunked upload that has none, so an
@@ -193,15 +206,17 @@ async def _ingest_one(request: Request, credentials: Credentials, settings: Sett
         raw = await _read_capped(request, settings.max_envelope_bytes)
     except ValidationFailed as exc:  # refused after the key is checked: 401/403 come first
         raw = exc
-    report = await run_in_threadpool(_ingest_sync, request.app, credentials, raw, settings,
-                                     atomic=False, batch=False)
+    report = await in_ingest_thread(request.app, _ingest_sync, request.app, credentials, raw,
+                                    settings, atomic=False, batch=False)
     _count(report.results)
     r = _refuse_failure(report.results[0])
     body = _result_dict(r)
     if wait and r.log_index is not None:
         receipts = await _receipts(request, [r.log_index], timeout)
         body["receipt"] = receipts[0] if receipts else None
-    return JSONResponse(body, status_code=http_status(r))
+    # orjson: the bytes JSONResponse gives (compact, UTF-8), at a tenth of its cost
+    return Response(orjson.dumps(body), status_code=http_status(r),
+                    media_type="application/json")
 
 
 class IngestFastPath:
@@ -332,9 +347,9 @@ async def ingest_batch(
     _: Principal = Depends(require("envelopes:write")),
     settings: Settings = Depends(get_settings_dep),
 ) -> Response:
-    report = await run_in_threadpool(_ingest_sync, request.app, None,
-                                     await request.body(), settings, atomic=atomic,
-                                     batch=True)
+    report = await in_ingest_thread(request.app, _ingest_sync, request.app, None,
+                                    await request.body(), settings, atomic=atomic,
+                                    batch=True)
     _count(report.results)
     dicts = [_result_dict(r) for r in report.results]
     if report.outcome is ingest_service.BatchOutcome.REJECTED:
