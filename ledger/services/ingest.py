@@ -443,39 +443,59 @@ class GroupCommit:
     envelope requests then share one sequencer lock and one WAL flush instead of queueing
     for the lock one by one; with nobody waiting, a request stores its own at once (no
     batching delay). Failures reach every request of the statement (a lost database is a
-    503 to each of them); nothing of a failed statement is stored."""
+    503 to each of them); nothing of a failed statement is stored.
+
+    Each waiting request sleeps on a lock of its own, released once: when its statement
+    ran, or when it is to lead the next one (the oldest waiting, handed over by the
+    leader that finished), so a statement wakes only the requests it stored and one
+    leader, not every request waiting."""
 
     def __init__(self, engine: Engine, settings: Settings | None = None,
                  max_items: int = 2000) -> None:
         self.engine = engine
         self.settings = settings
         self.max_items = max_items
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
         self._waiting: list[_Ticket] = []
-        self._busy = False
+        self._busy = False                     # a leader is storing, or about to
         self._conn: Connection | None = None   # the leader's; kept between statements
 
     def store(self, group: Group) -> None:
         ticket = _Ticket(group)
-        with self._cv:
+        with self._lock:
             self._waiting.append(ticket)
-            while not ticket.done and (self._busy or self._waiting[0] is not ticket):
-                self._cv.wait()
-            if not ticket.done:
-                batch = self._take()
-                self._busy = True
+            lead = not self._busy  # nobody leads: nobody else is waiting either
+            self._busy = True
+        if not lead:
+            ticket.wake.acquire()  # stored by another leader, or handed the lead
         if not ticket.done:
-            try:
-                self._flush(batch)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+            self._lead(ticket)
         if ticket.error is not None:
             raise ticket.error
 
+    def _lead(self, me: _Ticket) -> None:
+        """Store the oldest waiting groups (``me``, the oldest, among them), then wake
+        them and hand the lead to the oldest of those still waiting."""
+        with self._lock:
+            batch = self._take()
+        try:
+            self._flush(batch)
+        finally:
+            for t in batch:
+                if t is not me:
+                    t.wake.release()
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """The leader is done: the oldest request waiting leads next (or nobody is busy)."""
+        with self._lock:
+            successor = self._waiting[0] if self._waiting else None
+            self._busy = successor is not None
+        if successor is not None:
+            successor.wake.release()
+
     def close(self) -> None:
-        with self._cv:
+        with self._lock:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
@@ -521,9 +541,16 @@ class GroupCommit:
             if not isinstance(exc, Exception):
                 raise
         finally:
-            with self._cv:
-                for t in batch:
-                    t.done = True
+            for t in batch:
+                t.done = True
+
+
+def _held_lock() -> threading.Lock:
+    """A lock already taken: its owner's ticket sleeps on it until another thread
+    releases it."""
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
 
 
 @dataclass(slots=True)
@@ -531,6 +558,7 @@ class _Ticket:
     group: Group
     done: bool = False
     error: BaseException | None = None
+    wake: threading.Lock = field(default_factory=_held_lock)
 
 
 def ingest_batch(session: Session | KeyLoader, raw_items: Sequence[Any], settings: Settings,
