@@ -111,6 +111,9 @@ def compare(args: argparse.Namespace, url: str, keys: dict[str, str], pem: bytes
                 print(f"round {rnd + 1} {name:8}: {n / wall:6,.0f}/s, server CPU "
                       f"{got[name][-1][0]:.3f} ms/POST, PostgreSQL CPU {got[name][-1][1]:.3f} "
                       f"ms/POST, sessions opened {s1 - s0}", flush=True)
+    ratios = sorted(a[0] / b[0] for a, b in zip(got["this"], got["compare"], strict=True))
+    print("server CPU per POST, this / compare, per round (paired, sorted): " +
+          ", ".join(f"{r:.3f}" for r in ratios) + f"; median {ratios[len(ratios) // 2]:.3f}")
     for name, rows in got.items():
         cols = list(zip(*rows, strict=True))
         med = [sorted(c)[len(c) // 2] for c in cols]
