@@ -149,15 +149,18 @@ _KEYID_HEX = re.compile(rb"[0-9a-f]{64}")
 
 def keyids_named(data: bytes) -> list[str]:
     """The key IDs the JSON text ``data`` appears to name, found by a byte search for
-    ``"keyid":"<64 hex>"`` as a compact encoder writes it (at most
-    :data:`MAX_SIGNATURES`): nothing is parsed, decoded or checked. A hint only, for
+    ``"keyid":"<64 hex>"`` as a compact encoder writes it (the first
+    :data:`MAX_SIGNATURES` such marks only, so any body costs at most that many searches,
+    in C): nothing is parsed, decoded or checked. A hint only, for
     reading the keys an envelope will need in the same round trip as its API key
     (``ledger.api.routes.envelopes``): what is verified always comes from
     :func:`envelope_from_json`, and a key ID this search missed or made up only costs
     another read."""
     found: list[str] = []
-    at = 0
-    while len(found) < MAX_SIGNATURES:
+    # the signatures member once, searched from the end: it follows the payload in a
+    # key-sorted wrapper (base64 holds no '"', so the payload cannot hold the mark)
+    at = max(data.rfind(b'"signatures":['), 0)
+    for _ in range(MAX_SIGNATURES):  # the first marks only: bounded work for any body
         at = data.find(_KEYID_MARK, at)
         if at < 0:
             break

@@ -33,6 +33,10 @@ def test_takes_only_64_lowercase_hex_and_at_most_eight() -> None:
         assert dsse.keyids_named(named(bad)) == [], bad
     many = b",".join(named(B) for _ in range(20))
     assert dsse.keyids_named(many) == [B] * dsse.MAX_SIGNATURES
+    # only the first marks are looked at, found or not: bounded work for any body
+    decoys = b",".join(named("x" * 64) for _ in range(dsse.MAX_SIGNATURES))
+    assert dsse.keyids_named(decoys + b"," + named(A)) == []
+    assert dsse.keyids_named(b'"keyid":"' * 500_000) == []
     assert dsse.keyids_named(b"") == [] and dsse.keyids_named(b'"keyid":"') == []
 
 
