@@ -161,15 +161,16 @@ def component_env(args: list[str], env: dict[str, str] | None) -> dict[str, str]
 
 @contextmanager
 def run_ledger(args: list[str], *, port: int, health_path: str, log_path: Path,
-               env: dict[str, str] | None = None,
-               timeout: float = 60.0) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+               env: dict[str, str] | None = None, timeout: float = 60.0,
+               cwd: Path = REPO) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Start ``python -m ledger.cli.main ARGS``, wait until ``GET health_path`` answers 200,
     yield (base URL, process); stop it (terminate, then kill) on the way out. serve, beat
-    and worker run as their component's test login (:func:`component_env`)."""
+    and worker run as their component's test login (:func:`component_env`). ``cwd``: the
+    tree whose ``ledger`` it runs (``python -m`` puts it first on ``sys.path``)."""
     log = log_path.open("wb")
     proc = subprocess.Popen([sys.executable, "-m", "ledger.cli.main", *args],
                             env={**os.environ, **component_env(args, env)}, stdout=log,
-                            stderr=subprocess.STDOUT, cwd=REPO)
+                            stderr=subprocess.STDOUT, cwd=cwd)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
@@ -202,13 +203,14 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
 
 @contextmanager
 def run_server(db_url: str, *, workers: int = 1, extra_env: dict[str, str] | None = None,
-               log_dir: Path | None = None) -> Iterator[ApiServer]:
-    """`ledger serve` on a free port against ``db_url``."""
+               log_dir: Path | None = None, cwd: Path = REPO) -> Iterator[ApiServer]:
+    """`ledger serve` on a free port against ``db_url`` (from the tree ``cwd``)."""
     port = free_port()
     log_path = (log_dir or Path("/tmp")) / f"ledger-serve-{port}.log"
     with run_ledger(["serve", "--port", str(port), "--workers", str(workers)], port=port,
                     health_path="/healthz", log_path=log_path,
-                    env={"LEDGER_DATABASE_URL": db_url, **(extra_env or {})}) as (base, proc):
+                    env={"LEDGER_DATABASE_URL": db_url, **(extra_env or {})},
+                    cwd=cwd) as (base, proc):
         yield ApiServer(base, proc, log_path=log_path)
 
 

@@ -43,21 +43,19 @@ def rows(db_url: str) -> list[tuple[int, str, int]]:
 def store_while_busy(gc: ingest.GroupCommit, groups: list[ingest.Group]) -> None:
     """Queue ``groups`` behind a leader that is busy, then let them go: the oldest leads
     and stores all of them in one statement."""
-    with gc._cv:
+    with gc._lock:
         gc._busy = True
     threads = [threading.Thread(target=gc.store, args=(g,)) for g in groups]
     for n, t in enumerate(threads, 1):
         t.start()
         deadline = time.monotonic() + 30
         while True:  # queued in this order
-            with gc._cv:
+            with gc._lock:
                 if len(gc._waiting) == n:
                     break
             assert time.monotonic() < deadline
             time.sleep(0.001)
-    with gc._cv:
-        gc._busy = False
-        gc._cv.notify_all()
+    gc._hand_over()  # the busy leader is done
     for t in threads:
         t.join(30)
         assert not t.is_alive()

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -291,6 +292,7 @@ def _lifespan(settings: Settings, engine: Engine
                 app.state.integrator.stop()
             if app.state.metrics_listener is not None:
                 app.state.metrics_listener.stop()
+            app.state.ingest_threads.shutdown(wait=True)
             app.state.group_commit.close()
             app.state.ingest_reads.dispose()
             app.state.log_reads.dispose()
@@ -428,6 +430,8 @@ def _install_openapi(app: FastAPI) -> None:
 
 #: ``application_name`` of the ingest reads' connections (``pg_stat_activity``)
 INGEST_READS_APPLICATION = "ledger-api-ingest-reads"
+#: Threads that run ingest's work (as many as anyio's default thread pool, which it used)
+INGEST_THREADS = 40
 #: ... and of the log proof routes' reads
 LOG_READS_APPLICATION = "ledger-api-log-reads"
 
@@ -465,11 +469,16 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.state.group_commit = GroupCommit(make_engine(
         settings, url=engine.url.render_as_string(hide_password=False), pool_size=1),
         settings)
+    # ingest's thread-pool hop (ledger.api.routes.envelopes.in_ingest_thread)
+    app.state.ingest_threads = ThreadPoolExecutor(INGEST_THREADS,
+                                                  thread_name_prefix="ledger-ingest")
     # ingest's reads (the API key, the producer keys): autocommit, no pre-ping
-    # (ledger.db.session.AutocommitReads retries a statement that met a dropped connection)
+    # (ledger.db.session.AutocommitReads retries a statement that met a dropped connection);
+    # every request takes one, so at more than db_pool_size concurrent ingests the overflow
+    # is kept, not reconnected per request (benchmarks/ingest_cpu.py: sessions opened)
     app.state.ingest_reads = make_engine(
         settings, url=engine.url.render_as_string(hide_password=False), pre_ping=False,
-        autocommit=True, application_name=INGEST_READS_APPLICATION)
+        autocommit=True, application_name=INGEST_READS_APPLICATION, keep_overflow=True)
     _log_proofs_state(app, settings, engine)
     app.state.service_signer = Signer.from_file(settings.service_key_file, "ledger",
                                                 "ledger-service")

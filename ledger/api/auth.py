@@ -12,7 +12,7 @@ C2SP tlog-tiles paths (``/log/...``) stay public, as that spec expects (docs/dep
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,13 @@ from sqlalchemy.orm import Session
 from ledger.api.deps import get_session, get_settings_dep
 from ledger.db.session import AutocommitReads
 from ledger.errors import Forbidden, Unauthorized
-from ledger.services.apikeys import Principal, authenticate, authenticate_reads
+from ledger.services.apikeys import (
+    Principal,
+    authenticate,
+    authenticate_reads,
+    authenticate_reads_with_keys,
+)
+from ledger.services.keys import ReadKeys
 from ledger.settings import Settings
 
 ALL_ROLES = frozenset({"ingester", "reviewer", "auditor", "worker", "admin"})
@@ -127,6 +133,18 @@ def authorize_reads(reads: AutocommitReads, settings: Settings, key: str,
     principal = authenticate_reads(reads, key, settings.api_key_pepper.get_secret_value())
     check_role(principal, permission)
     return principal
+
+
+def authorize_reads_with_keys(reads: AutocommitReads, settings: Settings, key: str,
+                              permission: str, keyids: Iterable[str]
+                              ) -> tuple[Principal, ReadKeys]:
+    """:func:`authorize_reads`, with the signing keys of ``keyids`` read in the same
+    statement (single-envelope ingest: one round trip for both). The key and its role are
+    checked before this returns: 401 or 403, and the keys read are dropped with it."""
+    principal, keys = authenticate_reads_with_keys(
+        reads, key, settings.api_key_pepper.get_secret_value(), keyids)
+    check_role(principal, permission)
+    return principal, keys
 
 
 def require_reads(permission: str) -> Callable[..., AsyncIterator[AutocommitReads]]:

@@ -143,6 +143,33 @@ def envelope_from_json(data: bytes, *, max_bytes: int | None = None,
                              expected_payload_type=expected_payload_type)
 
 
+_KEYID_MARK = b'"keyid":"'
+_KEYID_HEX = re.compile(rb"[0-9a-f]{64}")
+
+
+def keyids_named(data: bytes) -> list[str]:
+    """The key IDs the JSON text ``data`` appears to name, found by a byte search for
+    ``"keyid":"<64 hex>"`` as a compact encoder writes it (the first
+    :data:`MAX_SIGNATURES` such marks only, so any body costs at most that many searches,
+    in C): nothing is parsed, decoded or checked. A hint only, for
+    reading the keys an envelope will need in the same round trip as its API key
+    (``ledger.api.routes.envelopes``): what is verified always comes from
+    :func:`envelope_from_json`, and a key ID this search missed or made up only costs
+    another read."""
+    found: list[str] = []
+    # the signatures member once, searched from the end: it follows the payload in a
+    # key-sorted wrapper (base64 holds no '"', so the payload cannot hold the mark)
+    at = max(data.rfind(b'"signatures":['), 0)
+    for _ in range(MAX_SIGNATURES):  # the first marks only: bounded work for any body
+        at = data.find(_KEYID_MARK, at)
+        if at < 0:
+            break
+        at += len(_KEYID_MARK)
+        if _KEYID_HEX.fullmatch(data, at, at + 64) and data[at + 64 : at + 65] == b'"':
+            found.append(data[at : at + 64].decode("ascii"))
+    return found
+
+
 def verify_envelope(env: Envelope, public_key_for: Callable[[str], bytes]) -> list[str]:
     """Verify every signature; return the key IDs. ``public_key_for`` raises for unknown keys.
 

@@ -37,17 +37,24 @@ def database_url(settings: Settings, url: str | None = None) -> str:
 
 def make_engine(settings: Settings | None = None, *, url: str | None = None,
                 pool_size: int | None = None, pre_ping: bool = True,
-                autocommit: bool = False, application_name: str | None = None) -> Engine:
+                autocommit: bool = False, application_name: str | None = None,
+                keep_overflow: bool = False) -> Engine:
     """``pre_ping=False`` skips the round trip that tests a pooled connection at each
     checkout: its user must handle a stale connection itself (:class:`AutocommitReads`).
     ``autocommit``: every connection in autocommit, set once when it is opened (no BEGIN,
     and no isolation level reset when it goes back to the pool). ``application_name``
-    names the connections in ``pg_stat_activity``."""
+    names the connections in ``pg_stat_activity``. ``keep_overflow``: the overflow
+    (``db_pool_size`` connections) is pooled too, with none past it (the same most
+    connections), so a pool used by more than ``pool_size`` at once keeps its
+    connections instead of opening and closing one (a PostgreSQL backend started and
+    ended) per checkout past ``pool_size``."""
     settings = settings or get_settings()
+    size = pool_size or settings.db_pool_size
+    overflow = settings.db_pool_size
     engine = create_engine(
         database_url(settings, url),
-        pool_size=pool_size or settings.db_pool_size,
-        max_overflow=settings.db_pool_size,
+        pool_size=size + overflow if keep_overflow else size,
+        max_overflow=0 if keep_overflow else overflow,
         pool_pre_ping=pre_ping,
         pool_timeout=settings.db_pool_timeout_s,
         pool_recycle=1800,

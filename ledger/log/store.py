@@ -24,6 +24,7 @@ from ledger.core.tiles import (
     hash_from_slice,
     tile_nodes,
 )
+from ledger.db.arrays import ByteaArray, TextArray
 
 #: A full tile laid flat: its 256 hashes, then the 255 above them (``tile_nodes``' order).
 FLAT_TILE_BYTES = FULL_TILE_BYTES + TILE_NODES_BYTES
@@ -406,7 +407,7 @@ WITH seq AS (
 ), sequenced AS (
   INSERT INTO log_entries (idx, kind, ref, entry, leaf_hash)
   SELECT seq.start + l.ord - 1, l.kind, l.ref, l.entry, l.leaf_hash
-  FROM seq, unnest(%(kind)s::text[], %(ref)s::text[], %(entry)b::bytea[],
+  FROM seq, unnest(%(kind)b::text[], %(ref)s::text[], %(entry)b::bytea[],
                    %(leaf_hash)b::bytea[]) WITH ORDINALITY AS l(kind, ref, entry, leaf_hash, ord)
 ){records}
 SELECT start FROM seq
@@ -419,8 +420,10 @@ def sequence(cursor: Any, rows: Sequence[tuple[str, str, bytes, bytes]], records
     with the ``records`` CTEs (and their ``params``); returns the first index."""
     assert rows, "nothing to sequence"
     cursor.execute(SEQUENCE.format(records=records), {
-        "n": len(rows), "kind": [r[0] for r in rows], "ref": [r[1] for r in rows],
-        "entry": [r[2] for r in rows], "leaf_hash": [r[3] for r in rows], **(params or {})})
+        # kinds are ours; a ref may be any caller's text, so psycopg adapts it as before
+        "n": len(rows), "kind": TextArray(r[0] for r in rows), "ref": [r[1] for r in rows],
+        "entry": ByteaArray(r[2] for r in rows), "leaf_hash": ByteaArray(r[3] for r in rows),
+        **(params or {})})
     row = cursor.fetchone()
     assert row is not None, "log_state row missing: run `ledger db upgrade`"
     return int(row[0])

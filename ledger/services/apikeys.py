@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import secrets
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from sqlalchemy.orm import Session
 from ledger.db.models import ApiKey
 from ledger.db.session import AutocommitReads
 from ledger.errors import Conflict, NotFound, Unauthorized
+from ledger.services.keys import ReadKeys, TrustedKey
 
 if TYPE_CHECKING:
     from ledger.replay.records import Signer
@@ -88,6 +90,33 @@ def authenticate_reads(reads: AutocommitReads, key: str, pepper: str) -> Princip
     digest = _digest_of(key, pepper)
     rows = reads.fetchall(_BY_HASH, (digest,))
     return _principal(rows[0] if rows else None, digest)
+
+
+#: :func:`authenticate_reads_with_keys`' query: :data:`_BY_HASH`'s row (part 0) and the
+#: signing-key rows ``ledger.services.keys.load_keyring_reads`` reads (part 1), in one
+#: statement (one round trip, one snapshot).
+_BY_HASH_WITH_KEYS = (
+    "SELECT 0, id::text, name, role, key_hash, revoked_at, NULL::timestamptz "
+    "FROM api_keys WHERE key_hash = %s "
+    "UNION ALL SELECT 1, keyid, purpose, status, public_key, not_before, not_after "
+    "FROM signing_keys WHERE keyid = ANY(%s)")
+
+
+def authenticate_reads_with_keys(reads: AutocommitReads, key: str, pepper: str,
+                                 keyids: Iterable[str]) -> tuple[Principal, ReadKeys]:
+    """:func:`authenticate_reads`, with the signing keys of ``keyids`` read in the same
+    statement. The API key is checked exactly as there (a malformed key before anything
+    is read); the keys are only data, for the caller to use once it has checked the
+    principal's role (the ingest path: ``ledger.api.routes.envelopes``)."""
+    digest = _digest_of(key, pepper)
+    asked = frozenset(keyids)
+    rows = reads.fetchall(_BY_HASH_WITH_KEYS, (digest, sorted(asked)))
+    read_at = datetime.now(UTC)
+    api_row = next((r[1:6] for r in rows if r[0] == 0), None)
+    principal = _principal(api_row, digest)
+    found = tuple(TrustedKey(r[1], bytes(r[4]), r[2], r[3], r[5], r[6])
+                  for r in rows if r[0] == 1)
+    return principal, ReadKeys(asked, found, read_at)
 
 
 def _digest_of(key: str, pepper: str) -> bytes:

@@ -43,6 +43,7 @@ from ledger.core import dsse
 from ledger.core.envelope import IndexFields, Limits, index_fields, parse_statement, runtime_of
 from ledger.core.errors import FormatError, LedgerError, ValidationFailed
 from ledger.core.sealing import KeyEncryptionKey
+from ledger.db.arrays import ByteaArray, TextArray, TimestamptzArray
 from ledger.db.session import raw_cursor
 from ledger.privacy import keys as privacy_keys
 from ledger.services import sequencer
@@ -327,10 +328,10 @@ _STORE_ENVELOPES = """, stored AS (
   SELECT seq.start + e.ord - 1, e.request_id, e.dsse, e.dsse_sha256,
          string_to_array(e.keyids, ','), e.model_sha256, e.model_name, e.fingerprint_id,
          e.channel, e.tier, e.recorded_at, e.prompt_tokens, e.output_tokens
-  FROM seq, unnest(%(request_id)s::text[], %(dsse)b::bytea[], %(dsse_sha256)b::bytea[],
-                   %(keyids)s::text[], %(model_sha256)s::text[], %(model_name)s::text[],
-                   %(fingerprint_id)s::text[], %(channel)s::text[], %(tier)s::text[],
-                   %(recorded_at)s::timestamptz[], %(prompt_tokens)s::int4[],
+  FROM seq, unnest(%(request_id)b::text[], %(dsse)b::bytea[], %(dsse_sha256)b::bytea[],
+                   %(keyids)b::text[], %(model_sha256)b::text[], %(model_name)s::text[],
+                   %(fingerprint_id)b::text[], %(channel)b::text[], %(tier)b::text[],
+                   %(recorded_at)b::timestamptz[], %(prompt_tokens)s::int4[],
                    %(output_tokens)s::int4[])
        WITH ORDINALITY AS e(request_id, dsse, dsse_sha256, keyids, model_sha256, model_name,
                             fingerprint_id, channel, tier, recorded_at, prompt_tokens,
@@ -338,7 +339,7 @@ _STORE_ENVELOPES = """, stored AS (
 ), fingerprinted AS (
   INSERT INTO fingerprints (fingerprint_id, runtime)
   SELECT f.fingerprint_id, f.runtime::jsonb
-  FROM unnest(%(fp_id)s::text[], %(fp_runtime)s::text[]) AS f(fingerprint_id, runtime)
+  FROM unnest(%(fp_id)b::text[], %(fp_runtime)b::text[]) AS f(fingerprint_id, runtime)
   WHERE (SELECT start FROM seq) IS NOT NULL
   ON CONFLICT (fingerprint_id) DO NOTHING
 )"""
@@ -370,19 +371,25 @@ def _write(cur: Any, new: Sequence[Prepared], settings: Settings | None = None) 
     stored = _stored_bytes(cur, kek, new)
     fields = [p.fields for p in new]
     fingerprints = {p.fields.fingerprint_id: p.runtime for p in new}
+    # Typed arrays (ledger.db.arrays) for the values validation already held to a pattern,
+    # an enum or a type, and our own JSON (orjson escapes a NUL); the model name (free
+    # text) and the token counts are adapted by psycopg as before.
     params = {
-        "request_id": [f.request_id for f in fields], "dsse": stored,
-        "dsse_sha256": [p.dsse_sha256 for p in new],
-        "keyids": [",".join(p.keyids) for p in new],  # 64-hex each (dsse.py): no commas
-        "model_sha256": [f.model_sha256 for f in fields],
+        "request_id": TextArray(f.request_id for f in fields), "dsse": ByteaArray(stored),
+        "dsse_sha256": ByteaArray(p.dsse_sha256 for p in new),
+        # 64-hex each (dsse.py): no commas
+        "keyids": TextArray(",".join(p.keyids) for p in new),
+        "model_sha256": TextArray(f.model_sha256 for f in fields),
         "model_name": [f.model_name for f in fields],
-        "fingerprint_id": [f.fingerprint_id for f in fields],
-        "channel": [f.channel for f in fields], "tier": [f.tier for f in fields],
-        "recorded_at": [f.recorded_at for f in fields],
+        "fingerprint_id": TextArray(f.fingerprint_id for f in fields),
+        "channel": TextArray(f.channel for f in fields),
+        "tier": TextArray(f.tier for f in fields),
+        "recorded_at": TimestamptzArray(f.recorded_at for f in fields),
         "prompt_tokens": [f.prompt_tokens for f in fields],
         "output_tokens": [f.output_tokens for f in fields],
-        "fp_id": sorted(fingerprints),
-        "fp_runtime": [orjson.dumps(fingerprints[k]).decode() for k in sorted(fingerprints)],
+        "fp_id": TextArray(sorted(fingerprints)),
+        "fp_runtime": TextArray(orjson.dumps(fingerprints[k]).decode()
+                                for k in sorted(fingerprints)),
     }
     return sequencer.append(cur, [("envelope", f.request_id, p.dsse_sha256.hex())
                                   for f, p in zip(fields, new, strict=True)],
@@ -436,39 +443,59 @@ class GroupCommit:
     envelope requests then share one sequencer lock and one WAL flush instead of queueing
     for the lock one by one; with nobody waiting, a request stores its own at once (no
     batching delay). Failures reach every request of the statement (a lost database is a
-    503 to each of them); nothing of a failed statement is stored."""
+    503 to each of them); nothing of a failed statement is stored.
+
+    Each waiting request sleeps on a lock of its own, released once: when its statement
+    ran, or when it is to lead the next one (the oldest waiting, handed over by the
+    leader that finished), so a statement wakes only the requests it stored and one
+    leader, not every request waiting."""
 
     def __init__(self, engine: Engine, settings: Settings | None = None,
                  max_items: int = 2000) -> None:
         self.engine = engine
         self.settings = settings
         self.max_items = max_items
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
         self._waiting: list[_Ticket] = []
-        self._busy = False
+        self._busy = False                     # a leader is storing, or about to
         self._conn: Connection | None = None   # the leader's; kept between statements
 
     def store(self, group: Group) -> None:
         ticket = _Ticket(group)
-        with self._cv:
+        with self._lock:
             self._waiting.append(ticket)
-            while not ticket.done and (self._busy or self._waiting[0] is not ticket):
-                self._cv.wait()
-            if not ticket.done:
-                batch = self._take()
-                self._busy = True
+            lead = not self._busy  # nobody leads: nobody else is waiting either
+            self._busy = True
+        if not lead:
+            ticket.wake.acquire()  # stored by another leader, or handed the lead
         if not ticket.done:
-            try:
-                self._flush(batch)
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+            self._lead(ticket)
         if ticket.error is not None:
             raise ticket.error
 
+    def _lead(self, me: _Ticket) -> None:
+        """Store the oldest waiting groups (``me``, the oldest, among them), then wake
+        them and hand the lead to the oldest of those still waiting."""
+        with self._lock:
+            batch = self._take()
+        try:
+            self._flush(batch)
+        finally:
+            for t in batch:
+                if t is not me:
+                    t.wake.release()
+            self._hand_over()
+
+    def _hand_over(self) -> None:
+        """The leader is done: the oldest request waiting leads next (or nobody is busy)."""
+        with self._lock:
+            successor = self._waiting[0] if self._waiting else None
+            self._busy = successor is not None
+        if successor is not None:
+            successor.wake.release()
+
     def close(self) -> None:
-        with self._cv:
+        with self._lock:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
@@ -514,9 +541,16 @@ class GroupCommit:
             if not isinstance(exc, Exception):
                 raise
         finally:
-            with self._cv:
-                for t in batch:
-                    t.done = True
+            for t in batch:
+                t.done = True
+
+
+def _held_lock() -> threading.Lock:
+    """A lock already taken: its owner's ticket sleeps on it until another thread
+    releases it."""
+    lock = threading.Lock()
+    lock.acquire()
+    return lock
 
 
 @dataclass(slots=True)
@@ -524,6 +558,7 @@ class _Ticket:
     group: Group
     done: bool = False
     error: BaseException | None = None
+    wake: threading.Lock = field(default_factory=_held_lock)
 
 
 def ingest_batch(session: Session | KeyLoader, raw_items: Sequence[Any], settings: Settings,

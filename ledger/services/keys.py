@@ -178,6 +178,26 @@ def load_keyring_reads(reads: AutocommitReads, keyids: Iterable[str], *,
                    now=datetime.now(UTC))
 
 
+@dataclass(frozen=True, slots=True)
+class ReadKeys:
+    """Signing-key rows read ahead for one request, as they were when read: ``asked``, the
+    key IDs looked up (the rows of those registered are in ``rows``), so that a key ID
+    asked and not found is known to be unregistered."""
+
+    asked: frozenset[str]
+    rows: tuple[TrustedKey, ...]
+    read_at: datetime
+
+    def keyring(self, keyids: Iterable[str], *, purpose: str) -> KeyRing | None:
+        """The :class:`KeyRing` :func:`load_keyring_reads` would have given for ``keyids``
+        at ``read_at`` (exactly those keys), or None when a key ID was not looked up."""
+        wanted = set(keyids)
+        if not wanted <= self.asked:
+            return None
+        return KeyRing((k for k in self.rows if k.keyid in wanted), purpose=purpose,
+                       now=self.read_at)
+
+
 def load_keyring(session: Session, keyids: Iterable[str], *, purpose: str) -> KeyRing:
     ids = sorted(set(keyids))
     rows = session.execute(

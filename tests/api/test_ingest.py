@@ -231,6 +231,34 @@ def test_bad_input_is_4xx_problem_and_writes_nothing(api: ApiServer, case: str) 
     assert counts(api) == before
 
 
+def test_the_key_and_role_are_answered_before_anything_about_the_body(api: ApiServer) -> None:
+    """A single POST reads its producer keys in the API key's statement, so the key IDs its
+    bytes name are looked for before the key is checked; the answers must not change: an
+    unknown, malformed or revoked key is 401 and a role without the permission 403, for
+    every body (a valid envelope, each bad input, an oversized one), and nothing is stored.
+    With a valid ingester key the same bodies get their own 4xx (the test above)."""
+    with api.client("admin") as admin:
+        made = admin.post("/v1/api-keys", json={"name": "order-revoked", "role": "ingester"})
+        assert made.status_code == 201, made.text
+        revoked = made.json()["key"]
+        assert admin.post(f"/v1/api-keys/{made.json()['id']}/revoke").status_code == 200
+    callers = {"unknown key": ("lk_" + "x" * 43, 401, "bad_api_key"),
+               "malformed key": ("not-a-ledger-key", 401, "bad_api_key"),
+               "revoked key": (revoked, 401, "revoked_api_key"),
+               "reviewer": (api.keys["reviewer"], 403, "forbidden_role")}
+    bodies = {"valid envelope": json.dumps(signed(statement(), api.producer)).encode(),  # type: ignore[attr-defined]
+              **{case: build(api) for case, (build, _s, _c) in BAD_INPUTS.items()}}
+    before = counts(api)
+    with api.client() as c:
+        for who, (key, status, code) in callers.items():
+            for case, body in bodies.items():
+                r = c.post("/v1/envelopes", content=body,
+                           headers={"Authorization": f"Bearer {key}",
+                                    "Content-Type": "application/json"})
+                assert (r.status_code, r.json()["code"]) == (status, code), (who, case, r.text)
+    assert counts(api) == before
+
+
 def test_revoked_and_not_yet_valid_keys_are_refused_old_envelopes_stay(api: ApiServer) -> None:
     key = Ed25519PrivateKey.generate()
     future = Ed25519PrivateKey.generate()
