@@ -56,10 +56,15 @@ DataSubject = Annotated[str, Field(
     pattern=r"^[A-Za-z0-9._:@+=-]{1,200}$",
     description="a pseudonymous data subject ID (e.g. a keyed hash of the gateway's user "
     "ID): never a name or an e-mail address; see docs/privacy.md")]
-ShortStr = Annotated[str, Field(min_length=1, max_length=200)]
-OptShortStr = Annotated[str | None, Field(default=None, max_length=200)]
-FlagValue = (Annotated[str, Field(max_length=1000)] | int | float | bool
-             | Annotated[list[Annotated[str, Field(max_length=200)]], Field(max_length=256)]
+#: Strings the ledger stores in columns (``model_name``) or in the fingerprint's JSON
+#: (the runtime) hold no NUL: PostgreSQL's text and jsonb cannot, and an envelope that
+#: could not be stored is refused as invalid (422), not failed at the database (500).
+NO_NUL = r"^[^\x00]*$"
+ShortStr = Annotated[str, Field(min_length=1, max_length=200, pattern=NO_NUL)]
+OptShortStr = Annotated[str | None, Field(default=None, max_length=200, pattern=NO_NUL)]
+FlagValue = (Annotated[str, Field(max_length=1000, pattern=NO_NUL)] | int | float | bool
+             | Annotated[list[Annotated[str, Field(max_length=200, pattern=NO_NUL)]],
+                         Field(max_length=256)]
              | None)
 
 
@@ -127,8 +132,8 @@ class Runtime(BaseModel):
     quantization: OptShortStr
     cpu_isa: OptShortStr
     cpu_threads: int | None = Field(default=None, ge=1, le=65536)
-    engine_flags: dict[Annotated[str, Field(max_length=200)], FlagValue] = Field(
-        default_factory=dict, max_length=256)
+    engine_flags: dict[Annotated[str, Field(max_length=200, pattern=NO_NUL)],
+                       FlagValue] = Field(default_factory=dict, max_length=256)
 
     @model_validator(mode="after")
     def _extras_are_scalars(self) -> Runtime:
@@ -140,6 +145,9 @@ class Runtime(BaseModel):
                                        or (isinstance(value, str) and len(value) <= 1000)):
                 raise ValueError(f"informational runtime field {name!r} must be a JSON "
                                  "scalar (strings up to 1000 characters)")
+            if "\x00" in name or (isinstance(value, str) and "\x00" in value):
+                raise ValueError(f"informational runtime field {name!r} holds a NUL "
+                                 "character (PostgreSQL cannot store it)")
         return self
 
 

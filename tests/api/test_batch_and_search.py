@@ -39,6 +39,23 @@ def test_batch_reports_each_item_and_stores_the_valid_ones(api: ApiServer) -> No
     assert after == (before[0] + 3, before[1] + 3, before[2] + 3)
 
 
+def test_a_batch_item_postgresql_could_not_store_is_rejected_alone(api: ApiServer) -> None:
+    """A NUL in a stored string (model_name here) is the item's 422, not the statement's
+    failure: the batch's other items are stored."""
+    key = api.producer  # type: ignore[attr-defined]
+    nul = statement()
+    nul["predicate"]["artifacts"]["model_name"] = "tiny\x00demo"
+    before = counts(api)
+    with api.client("ingester") as c:
+        r = c.post("/v1/envelopes/batch", json={"envelopes": [
+            signed(statement(), key), signed(nul, key), signed(statement(), key)]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [x["status"] for x in body["results"]] == [201, 422, 201]
+    assert body["results"][1]["problem"]["code"] == "invalid_envelope"
+    assert counts(api) == (before[0] + 2, before[1] + 2, before[2] + 2)
+
+
 def test_atomic_batch_with_one_bad_item_writes_nothing(api: ApiServer) -> None:
     key = api.producer  # type: ignore[attr-defined]
     items = [signed(statement(), key) for _ in range(4)]

@@ -213,6 +213,21 @@ BAD_INPUTS: dict[str, tuple[Callable[[ApiServer], bytes], int, str]] = {
                                 "invalid_envelope"),
     "too many prompt tokens": (_mutate_statement(_set("predicate.prompt_token_ids",
                                                       [1] * 262_145)), 422, "invalid_envelope"),
+    # PostgreSQL's text and jsonb hold no NUL: refused as invalid, never a 500
+    "NUL in model_name": (_mutate_statement(_set("predicate.artifacts.model_name", "a\x00b")),
+                          422, "invalid_envelope"),
+    "NUL in a runtime field": (_mutate_statement(_set("predicate.runtime.engine", "a\x00b")),
+                               422, "invalid_envelope"),
+    "NUL in a runtime extra": (_mutate_statement(_set("predicate.runtime.hostname", "a\x00b")),
+                               422, "invalid_envelope"),
+    "NUL in a runtime extra's name": (_mutate_statement(_set("predicate.runtime.a\x00b", 1)),
+                                      422, "invalid_envelope"),
+    "NUL in an engine flag": (_mutate_statement(_set("predicate.runtime.engine_flags",
+                                                     {"x": ["a\x00b"]})), 422,
+                              "invalid_envelope"),
+    "NUL in an engine flag's name": (_mutate_statement(_set("predicate.runtime.engine_flags",
+                                                            {"a\x00b": 1})), 422,
+                                     "invalid_envelope"),
     "payload over size limit": (lambda api: b'{"payload":"' + b"A" * (5 * 1024 * 1024)
                                 + b'"}', 413, "too_large"),
 }
