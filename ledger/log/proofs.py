@@ -16,7 +16,12 @@ read in one statement; only when the latest checkpoint moved does a second read 
 what the new size needs. Verifying costs about 20 SHA-256 calls. An entry of a full tile
 that an earlier proof of the same signed tree went through, and that the process keeps,
 reads only its checkpoint and entry: :class:`TilePaths` proves it from the kept tile and
-what that proof proved, in 8 SHA-256 calls.
+what that proof proved, in 8 SHA-256 calls. A consistency proof from a size m whose entry
+m - 1 lies in such a tile reads only its checkpoints: it is the old tree's last full
+subtree and the path above it, from the kept tile and the same proved path, verified as
+every consistency proof is (:func:`~ledger.core.merkle.verify_consistency` against the
+signed new root, and the signed old root where a checkpoint of size m exists); verified
+consistency proofs teach :class:`TilePaths` too.
 """
 
 from __future__ import annotations
@@ -275,10 +280,12 @@ def inclusion(session: Session | Connection, log_index: int, tree_size: int | No
 
 
 class TilePaths:
-    """Inclusion proofs of entries in full level-0 tiles, from what earlier proofs of the
+    """Inclusion proofs of entries in full level-0 tiles (and consistency proofs from the
+    sizes that end in them: :meth:`consistency`), from what earlier proofs of the
     same signed tree proved: per tree (size, root), for each tile a proof went through,
     the tile's hash and the proof elements above it (``proof[8:]``, verified against the
-    signed root with the rest of that proof). An entry of such a tile whose tile is kept
+    signed root with the rest of that proof, or with a consistency proof through the
+    tile: :meth:`learn_consistency`). An entry of such a tile whose tile is kept
     (:class:`~ledger.log.store.SubtreeCache`) needs only its checkpoint and entry read:
     its 8 in-tile siblings come from the kept tile, and hashing its leaf up through them
     must give the tile's hash, which together with the elements above it leads to the
@@ -308,8 +315,10 @@ class TilePaths:
         return (paths is not None and tile in paths
                 and SUBTREES.tile(scope, 0, tile) is not None)
 
-    def proof(self, scope: str, cp: StoredCheckpoint, index: int, leaf: bytes
-              ) -> list[bytes] | None:
+    def _kept(self, scope: str, cp: StoredCheckpoint, index: int
+              ) -> tuple[bytes, bytes, list[bytes]] | None:
+        """(the kept tile of entry ``index`` laid flat, the tile's proved hash, the proved
+        path above it) in ``cp``'s tree, when all are known and the tile is full."""
         tile = index >> TILE_HEIGHT
         if tile >= cp.tree_size >> TILE_HEIGHT:
             return None
@@ -318,7 +327,14 @@ class TilePaths:
         flat = SUBTREES.tile(scope, 0, tile) if known is not None else None
         if known is None or flat is None:
             return None
-        tile_hash, above = known
+        return flat, known[0], known[1]
+
+    def proof(self, scope: str, cp: StoredCheckpoint, index: int, leaf: bytes
+              ) -> list[bytes] | None:
+        kept = self._kept(scope, cp, index)
+        if kept is None:
+            return None
+        flat, tile_hash, above = kept
         position, h, siblings = index & (TILE_WIDTH - 1), leaf, []
         for j in range(TILE_HEIGHT):
             k = (position >> j) ^ 1
@@ -331,6 +347,47 @@ class TilePaths:
             return None
         return siblings + above
 
+    def consistency(self, scope: str, cp: StoredCheckpoint, old_size: int,
+                    old_root: bytes | None) -> list[bytes] | None:
+        """The consistency proof from ``old_size`` (0 < old_size < size) to ``cp``'s tree,
+        when the tile of entry ``old_size - 1`` is full, kept and its path known, verified
+        against ``cp``'s signed root (and ``old_root``, the signed root of ``old_size``,
+        when there is one; else the old root the proof implies, as the full path's comes
+        from the same stored tree); None otherwise, or when it does not verify (then the
+        database's kept tiles and hashes are dropped, as after any failed check).
+
+        With 2**l the largest power of two dividing ``old_size``, RFC 9162's proof is
+        the old tree's last full subtree (l, old_size >> l - 1), then the path above it,
+        which is PATH(old_size - 1)[l:] (the elements below level l lie inside that
+        subtree); the subtree itself is left out when it is the whole old tree (old_size
+        a power of two). Inside the tile the subtree and the siblings above it come from
+        the kept tile; above the tile, what an earlier proof proved."""
+        kept = self._kept(scope, cp, old_size - 1)
+        if kept is None:
+            return None
+        flat, tile_hash, above = kept
+        low = (old_size & -old_size).bit_length() - 1  # l
+        position = (old_size - 1) & (TILE_WIDTH - 1)
+        if low >= TILE_HEIGHT:   # the subtree is the tile's, or above it: left siblings
+            start = tile_hash
+            for sibling in above[:low - TILE_HEIGHT]:
+                start = node_hash(sibling, start)
+            path = [start, *above[low - TILE_HEIGHT:]]
+        else:
+            path = [_flat_node(flat, low, position >> low)]
+            path += [_flat_node(flat, j, (position >> j) ^ 1) for j in range(low, TILE_HEIGHT)]
+            path += above
+        proof = path if old_size & (old_size - 1) else path[1:]
+        try:
+            verify_consistency(old_size, cp.tree_size, proof,
+                               old_root if old_root is not None
+                               else _old_root(old_size, cp.tree_size, path),
+                               cp.root_hash)
+        except ProofError:
+            SUBTREES.forget(scope)
+            return None
+        return proof
+
     def learn(self, scope: str, cp: StoredCheckpoint, index: int, leaf: bytes,
               proof: list[bytes]) -> None:
         """Keep what ``proof`` (verified: entry ``index`` with ``leaf`` in ``cp``'s tree)
@@ -342,6 +399,30 @@ class TilePaths:
         for j in range(TILE_HEIGHT):
             sibling = proof[j]
             h = node_hash(sibling, h) if (position >> j) & 1 else node_hash(h, sibling)
+        self._keep(scope, cp, tile, h, proof[TILE_HEIGHT:])
+
+    def learn_consistency(self, scope: str, cp: StoredCheckpoint, old_size: int,
+                          proof: list[bytes], old_root: bytes) -> None:
+        """Keep what ``proof`` (verified: from ``old_size``, with ``old_root``, to
+        ``cp``'s tree) proves about the tile of entry ``old_size - 1``, when the tile is
+        full and the proof goes through it (the largest power of two dividing
+        ``old_size`` is at most the tile's 256): see :meth:`consistency`."""
+        low = (old_size & -old_size).bit_length() - 1
+        tile = (old_size - 1) >> TILE_HEIGHT
+        if not 0 < old_size < cp.tree_size or low > TILE_HEIGHT \
+                or tile >= cp.tree_size >> TILE_HEIGHT:
+            return
+        path = proof if old_size & (old_size - 1) else [old_root, *proof]
+        if len(path) < 1 + TILE_HEIGHT - low:
+            return
+        position, h = (old_size - 1) & (TILE_WIDTH - 1), path[0]
+        for j in range(low, TILE_HEIGHT):
+            sibling = path[1 + j - low]
+            h = node_hash(sibling, h) if (position >> j) & 1 else node_hash(h, sibling)
+        self._keep(scope, cp, tile, h, path[1 + TILE_HEIGHT - low:])
+
+    def _keep(self, scope: str, cp: StoredCheckpoint, tile: int, tile_hash: bytes,
+              above: list[bytes]) -> None:
         key = (scope, cp.tree_size, cp.root_hash)
         with self._lock:
             paths = self._trees.get(key)
@@ -353,7 +434,7 @@ class TilePaths:
                 self._sizes[(scope, cp.tree_size)] = cp.root_hash
             if len(paths) >= self.PER_TREE:
                 paths.clear()
-            paths[tile] = (h, list(proof[TILE_HEIGHT:]))
+            paths[tile] = (tile_hash, list(above))
 
     def forget(self) -> None:
         with self._lock:
@@ -364,6 +445,36 @@ class TilePaths:
 TILE_PATHS = TilePaths()
 
 
+def _flat_node(flat: bytes, j: int, k: int) -> bytes:
+    """Node ``k`` at in-tile level ``j`` (0: the tile's hashes) of a full tile laid flat
+    (its 256 hashes, then :func:`tile_nodes`)."""
+    at = (k if j == 0 else 2 * TILE_WIDTH - (2 * TILE_WIDTH >> j) + k) * HASH_SIZE
+    return flat[at:at + HASH_SIZE]
+
+
+def _old_root(old_size: int, new_size: int, path: list[bytes]) -> bytes:
+    """MTH(D[0:old_size]) as a consistency proof's ``path`` (its subtree first, the
+    proof's first element or the old root: see :meth:`TilePaths.consistency`) implies
+    it: what RFC 9162's verification (:func:`verify_consistency`) folds the left
+    siblings into. Checked against the new root by that verification."""
+    fn, sn = old_size - 1, new_size - 1
+    while fn & 1:
+        fn >>= 1
+        sn >>= 1
+    root = path[0]
+    for sibling in path[1:]:
+        if fn & 1 or fn == sn:
+            root = node_hash(sibling, root)
+            while not fn & 1 and fn != 0:
+                fn >>= 1
+                sn >>= 1
+        fn >>= 1
+        sn >>= 1
+    return root
+
+
+
+
 def consistency(session: Session | Connection, old_size: int, new_size: int | None, *,
                 log_keys: Sequence[NoteVerifier] = ()) -> dict[str, Any]:
     """The consistency proof from ``old_size`` to the checkpoint of ``new_size`` (None:
@@ -372,7 +483,9 @@ def consistency(session: Session | Connection, old_size: int, new_size: int | No
     with conn.cursor(binary=True) as cur:
         scope, memo, rows = _read(
             cur, new_size, [new_size, old_size], None,
-            lambda _scope, size, memo: consistency_proof_slices(old_size, size, memo)
+            lambda scope, size, memo: []
+            if 0 < old_size < size and TILE_PATHS.ready(scope, size, old_size - 1)
+            else consistency_proof_slices(old_size, size, memo)
             if 0 <= old_size <= size else [])
         new_cp = signed_checkpoint(_found(_pick(rows.checkpoints, new_size), new_size),
                                    log_keys)
@@ -382,6 +495,11 @@ def consistency(session: Session | Connection, old_size: int, new_size: int | No
             raise TreeRangeError(f"from={old_size} is larger than to={new_cp.tree_size}")
         old_stored = _pick(rows.checkpoints, old_size)
         old_cp = signed_checkpoint(old_stored, log_keys) if old_stored and old_size else None
+        quick = TILE_PATHS.consistency(scope, new_cp, old_size,
+                                       old_cp.root_hash if old_cp else None) \
+            if 0 < old_size < new_cp.tree_size else None
+        if quick is not None:
+            return _consistency_json(old_size, quick, old_cp, new_cp)
         reader = _ReaderOnDemand(conn, scope)
 
         def build(memo: Memo | None) -> tuple[list[bytes], bytes]:
@@ -396,8 +514,16 @@ def consistency(session: Session | Connection, old_size: int, new_size: int | No
             verify_consistency(old_size, new_cp.tree_size, built[0], old_root,
                                new_cp.root_hash)
 
-        proof, _ = _verified(build, check, _ProofMemo(memo, rows.hashes, new_cp.tree_size), scope,
-                             f"consistency proof {old_size} -> {new_cp.tree_size}")
+        proof, built_old_root = _verified(
+            build, check, _ProofMemo(memo, rows.hashes, new_cp.tree_size), scope,
+            f"consistency proof {old_size} -> {new_cp.tree_size}")
+        TILE_PATHS.learn_consistency(scope, new_cp, old_size, proof,
+                                     old_cp.root_hash if old_cp else built_old_root)
+    return _consistency_json(old_size, proof, old_cp, new_cp)
+
+
+def _consistency_json(old_size: int, proof: list[bytes], old_cp: StoredCheckpoint | None,
+                      new_cp: StoredCheckpoint) -> dict[str, Any]:
     return {
         "from": old_size,
         "to": new_cp.tree_size,
