@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
+from ledger.core.bundle import record_suffix
 from ledger.core.errors import LedgerError, ProofError, TreeRangeError
 from ledger.core.merkle import HASH_SIZE, node_hash, verify_consistency, verify_inclusion
 from ledger.core.merkle import leaf_hash as compute_leaf_hash
@@ -565,12 +566,15 @@ class _UpperTilesKept:
 
 class BundleProofs:
     """Inclusion proofs of many entries against one signed checkpoint, for an export:
-    JSON arrays of base64 hashes, as bundle records carry them.
+    each as the end of its bundle record, ``,"inclusion_proof":[...]}``
+    (:func:`~ledger.core.bundle.record_suffix` of the JSON array of base64 hashes).
 
     Entries come in index order, so the work is per level-0 tile, not per entry: each
     tile is read once (a few at a time, with its stored subtree hashes), the path above
-    it is built and verified against the signed root once, and each entry's 8 hashes
-    inside the tile are checked up to the tile's hash (8 SHA-256 calls). Where most of a
+    it is built and verified against the signed root once (and kept for the export's
+    later kinds, which go through the tiles again: only a tile of the same hash reuses
+    it), and each entry's 8 hashes inside the tile are checked up to the tile's hash
+    (8 SHA-256 calls). Where most of a
     tile is exported (the previous tile gave ``DENSE`` entries or more), the tile's
     subtree hashes are recomputed from its leaves instead (255 SHA-256 calls per tile,
     about one per entry) and the per-entry check is not needed. Entries of the rightmost
@@ -579,6 +583,7 @@ class BundleProofs:
 
     DENSE = 32
     PREFETCH = 32
+    PROVED = 1 << 14   # tiles whose path above is kept for later passes (~0.7 KiB each)
 
     def __init__(self, cur: Any, cp: StoredCheckpoint) -> None:
         cp = signed_checkpoint(cp)
@@ -590,33 +595,47 @@ class BundleProofs:
         self._tile = -1
         self._used = 0
         self._dense = False
+        self._all = b""
         self._paths: list[bytes | None] = []
+        # tile -> (its hash, the JSON of the verified path above it): an export's kinds
+        # are written one after the other, each in index order, so the tiles are entered
+        # once per kind; the path above is built and verified once
+        self._proved: dict[int, tuple[bytes, bytes]] = {}
+        # record_suffix around a proof's JSON, split where a record's own two pieces go
+        # (its sibling, then the tail of the node above it: see _path)
+        self._open, self._close = record_suffix(b"\0").split(b"\0")
 
-    def proof_json(self, index: int) -> bytes:
-        """``["<b64>", ...]`` of PATH(index, D[0:size]), verified."""
-        if not 0 <= index < self.size:
-            raise TreeRangeError(f"log index {index} is not in the tree of size {self.size}")
+    def record_suffix(self, index: int) -> bytes:
+        """``,"inclusion_proof":["<b64>",...]}``: PATH(index, D[0:size]), verified, as
+        :func:`~ledger.core.bundle.record_suffix` frames it."""
         tile = index >> TILE_HEIGHT
-        if tile >= self._full:
-            return self._one(index)
-        if tile != self._tile:
+        if tile != self._tile:   # (an index of the current tile is in the tree)
+            if not 0 <= index < self.size:
+                raise TreeRangeError(
+                    f"log index {index} is not in the tree of size {self.size}")
+            if tile >= self._full:
+                return record_suffix(self._one(index))
             self._enter(tile)
         self._used += 1
         pos = index & (TILE_WIDTH - 1)
-        path = self._paths[pos] or self._path(pos)
         if not self._dense:
             self._check_inside(pos)
-        return b'["' + path
+        up = TILE_WIDTH + (pos >> 1)   # the level-1 node above it, flat (see _path)
+        at = (pos ^ 1) * HASH_SIZE     # its sibling
+        return b'%s["%s","%s%s' % (self._open, b2a_base64(self._all[at:at + HASH_SIZE],
+                                                          newline=False),
+                                   self._paths[up] or self._path(1, pos >> 1), self._close)
 
-    def _path(self, pos: int) -> bytes:
-        """The JSON tail of entry ``pos``'s proof: its sibling at every in-tile level,
-        then the hashes above the tile. Node k at in-tile level j has the tail of node
-        k >> 1 above it after its own sibling, so a tail is kept per node: a tile's
-        entries share them (about two concatenations an entry, not eight)."""
+    def _path(self, j: int, k: int) -> bytes:
+        """The JSON tail of the proof of node ``k`` at in-tile level ``j`` >= 1:
+        ``<b64 sibling>",...,"<b64>"]``, its sibling at every in-tile level from j on,
+        then the hashes above the tile. The node above it has the tail after its own
+        sibling, so a tail is kept per node (by its place in the tile's 511 hashes laid
+        flat, :data:`_SIBLINGS`): a tile's entries share them (about one concatenation an
+        entry besides its own)."""
         paths, chain = self._paths, []
         rest: bytes | None = None
-        k = pos
-        for _j, base in _SIBLINGS:
+        for _j, base in _SIBLINGS[j:]:
             known = paths[base + k]
             if known is not None:
                 rest = known
@@ -631,28 +650,39 @@ class BundleProofs:
         return rest
 
     def _enter(self, tile: int) -> None:
-        self._dense = self._used >= self.DENSE
-        self._used = 0
-        self._tile = tile
+        """Make ``tile`` the current one: read (and kept as :meth:`record_suffix` assumes)
+        only once every check passed."""
+        self._tile = -1
+        dense = self._used >= self.DENSE
         if tile not in self._ahead:
             want = [Tile(0, t) for t in range(tile, min(tile + self.PREFETCH, self._full))]
             self._ahead = dict(zip((t.index for t in want),
                                    self.reader.read_tiles_and_nodes(want), strict=True))
         data, nodes = self._ahead.pop(tile)
-        if self._dense or nodes is None:
+        if dense or nodes is None:
             nodes = tile_nodes(data)  # derived from the leaves: checked by construction
         self._all = data + nodes  # the 511 hashes: leaves, then tile_nodes' order
         self._paths = [None] * (2 * TILE_WIDTH - 1)  # by flat index: see _path
         self._hash = nodes[-HASH_SIZE:]
-        above = subtree_path_from_tiles(TILE_HEIGHT, tile, self.size, self.reader, self.memo)
-        try:
-            verify_inclusion(self._hash, tile, -(-self.size >> TILE_HEIGHT), above, self.root)
-        except ProofError:
-            raise StoredTreeMismatch(
-                f"the stored tree above entries {tile << TILE_HEIGHT}.."
-                f"{(tile << TILE_HEIGHT) + TILE_WIDTH - 1} does not verify against the "
-                "signed checkpoint; run `ledger audit`") from None
-        self._above = b"".join(b'","' + b2a_base64(h, newline=False) for h in above) + b'"]'
+        proved = self._proved.get(tile)
+        if proved is not None and proved[0] == self._hash:
+            self._above = proved[1]   # the path above this tile hash, verified before
+        else:
+            above = subtree_path_from_tiles(TILE_HEIGHT, tile, self.size, self.reader,
+                                            self.memo)
+            try:
+                verify_inclusion(self._hash, tile, -(-self.size >> TILE_HEIGHT), above,
+                                 self.root)
+            except ProofError:
+                raise StoredTreeMismatch(
+                    f"the stored tree above entries {tile << TILE_HEIGHT}.."
+                    f"{(tile << TILE_HEIGHT) + TILE_WIDTH - 1} does not verify against the "
+                    "signed checkpoint; run `ledger audit`") from None
+            self._above = b"".join(b'","' + b2a_base64(h, newline=False)
+                                   for h in above) + b'"]'
+            if len(self._proved) < self.PROVED:
+                self._proved[tile] = (self._hash, self._above)
+        self._dense, self._used, self._tile = dense, 0, tile
 
     def _flat(self, at: int) -> bytes:
         return self._all[at * HASH_SIZE : (at + 1) * HASH_SIZE]
@@ -669,6 +699,7 @@ class BundleProofs:
                 "not hash to their tile; run `ledger audit`")
 
     def _one(self, index: int) -> bytes:
+        """The JSON array of entry ``index``'s proof, built and verified whole."""
         tile = Tile(0, index >> TILE_HEIGHT, tile_width(0, index >> TILE_HEIGHT, self.size))
         data = self.reader.read_tiles([tile])[0]
         pos = index & (TILE_WIDTH - 1)

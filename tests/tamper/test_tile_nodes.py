@@ -412,3 +412,33 @@ def test_a_poisoned_kept_tile_gives_the_consistency_proof_from_the_database(
     for n, proof in good.items():
         assert consistency(log, n) == proof, n
     assert SUBTREES.tile(scope, 0, 1) != bytes(FLAT_TILE_BYTES)  # read again
+
+
+def test_an_exports_later_kinds_reuse_a_verified_path_only_for_the_same_tile(
+        log: Log, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An export goes through the tiles once per kind: the path above a tile, verified
+    on the first pass, serves the later ones only while the tile hashes to the same
+    value; an edit in between is refused, never served."""
+    from ledger.log.store import latest_checkpoint
+
+    calls: list[int] = []
+    real = proofs.subtree_path_from_tiles
+
+    def counted(level: int, index: int, *args: object, **kwargs: object) -> list[bytes]:
+        calls.append(index)
+        return real(level, index, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(proofs, "subtree_path_from_tiles", counted)
+    with psycopg.connect(log.pg) as conn, conn.cursor(binary=True) as cur:
+        cp = latest_checkpoint(cur)
+        assert cp is not None
+        bundle = proofs.BundleProofs(cur, cp)
+        first = {i: bundle.record_suffix(i) for i in (3, 300)}   # first kind
+        assert calls == [0, 1]
+        assert {i: bundle.record_suffix(i) for i in (3, 300)} == first  # the next kind
+        assert calls == [0, 1]
+        flip_node(log, 1, 254)  # tile 1's own hash, as its stored nodes say
+        assert bundle.record_suffix(4).startswith(b',"inclusion_proof":["')
+        with pytest.raises(StoredTreeMismatch):
+            bundle.record_suffix(300)
+        assert calls == [0, 1, 1]
