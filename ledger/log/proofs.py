@@ -18,9 +18,9 @@ that an earlier proof of the same signed tree went through, and that the process
 reads only its checkpoint and entry: :class:`TilePaths` proves it from the kept tile and
 what that proof proved, in 8 SHA-256 calls. A consistency proof from a size m whose entry
 m - 1 lies in such a tile reads only its checkpoints: it is the old tree's last full
-subtree and the path above it, from the kept tile and the same proved path, verified as
-every consistency proof is (:func:`~ledger.core.merkle.verify_consistency` against the
-signed new root, and the signed old root where a checkpoint of size m exists); verified
+subtree and the path above it, from the kept tile and the same proved path, checked as
+that inclusion proof is (up to the proved tile hash: so it leads to the signed new root)
+and, where a checkpoint of size m exists, against its signed old root; verified
 consistency proofs teach :class:`TilePaths` too.
 """
 
@@ -351,43 +351,46 @@ class TilePaths:
     def consistency(self, scope: str, cp: StoredCheckpoint, old_size: int,
                     old_root: bytes | None) -> list[bytes] | None:
         """The consistency proof from ``old_size`` (0 < old_size < size) to ``cp``'s tree,
-        when the tile of entry ``old_size - 1`` is full, kept and its path known, verified
-        against ``cp``'s signed root (and ``old_root``, the signed root of ``old_size``,
-        when there is one; else the old root the proof implies, as the full path's comes
-        from the same stored tree); None otherwise, or when it does not verify (then the
-        database's kept tiles and hashes are dropped, as after any failed check).
+        when the tile of entry ``old_size - 1`` is full, kept and its path known; None
+        otherwise, or when it does not check out.
 
         With 2**l the largest power of two dividing ``old_size``, RFC 9162's proof is
         the old tree's last full subtree (l, old_size >> l - 1), then the path above it,
         which is PATH(old_size - 1)[l:] (the elements below level l lie inside that
         subtree); the subtree itself is left out when it is the whole old tree (old_size
         a power of two). Inside the tile the subtree and the siblings above it come from
-        the kept tile; above the tile, what an earlier proof proved."""
+        the kept tile, and hashed up they must give the tile's proved hash (else the
+        database's kept tiles and hashes are dropped, as after any failed check); above
+        the tile the path is the proved one (for l > 8 the subtree is made from the
+        tile's hash and the first elements of that path). So the proof leads to the
+        signed root as a whole proof verified against it does (:meth:`proof`). With
+        ``old_root``, the signed root of ``old_size``, the old root the proof implies
+        (what RFC 9162's verification folds its left siblings into) must be it."""
         kept = self._kept(scope, cp, old_size - 1)
         if kept is None:
             return None
         flat, tile_hash, above = kept
         low = (old_size & -old_size).bit_length() - 1  # l
-        position = (old_size - 1) & (TILE_WIDTH - 1)
         if low >= TILE_HEIGHT:   # the subtree is the tile's, or above it: left siblings
             start = tile_hash
             for sibling in above[:low - TILE_HEIGHT]:
                 start = node_hash(sibling, start)
             path = [start, *above[low - TILE_HEIGHT:]]
         else:
-            path = [_flat_node(flat, low, position >> low)]
-            path += [_flat_node(flat, j, (position >> j) ^ 1) for j in range(low, TILE_HEIGHT)]
+            position = (old_size - 1) & (TILE_WIDTH - 1)
+            h = _flat_node(flat, low, position >> low)
+            path = [h]
+            for j in range(low, TILE_HEIGHT):
+                sibling = _flat_node(flat, j, (position >> j) ^ 1)
+                h = node_hash(sibling, h) if (position >> j) & 1 else node_hash(h, sibling)
+                path.append(sibling)
+            if h != tile_hash:   # the kept tile is not the one proved
+                SUBTREES.forget(scope)
+                return None
             path += above
-        proof = path if old_size & (old_size - 1) else path[1:]
-        try:
-            verify_consistency(old_size, cp.tree_size, proof,
-                               old_root if old_root is not None
-                               else _old_root(old_size, cp.tree_size, path),
-                               cp.root_hash)
-        except ProofError:
-            SUBTREES.forget(scope)
-            return None
-        return proof
+        if old_root is not None and _old_root(old_size, cp.tree_size, path) != old_root:
+            return None   # the full path decides (and refuses)
+        return path if old_size & (old_size - 1) else path[1:]
 
     def learn(self, scope: str, cp: StoredCheckpoint, index: int, leaf: bytes,
               proof: list[bytes]) -> None:

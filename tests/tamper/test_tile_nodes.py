@@ -442,3 +442,20 @@ def test_an_exports_later_kinds_reuse_a_verified_path_only_for_the_same_tile(
         with pytest.raises(StoredTreeMismatch):
             bundle.record_suffix(300)
         assert calls == [0, 1, 1]
+
+
+def test_a_planted_old_checkpoint_is_refused_by_the_quick_consistency_proof(
+        log: Log) -> None:
+    """Where a checkpoint of the old size exists, the quick proof must lead to its signed
+    root too: a planted one (not the tree's root) gives no quick proof, and the full path
+    refuses it."""
+    consistency(log, 1)
+    for n in (300, 302, 303):
+        consistency(log, n)                   # tile 1 and its path are known
+    planted = sign_checkpoint(Checkpoint(ORIGIN, 301, bytes(32)), ORIGIN,
+                              generate_private_key())
+    superuser(log, "INSERT INTO checkpoints (tree_size, root_hash, note) "
+              "VALUES (301, %s, %s)", (bytes(32), planted))
+    with pytest.raises(StoredTreeMismatch):
+        consistency(log, 301)
+    assert consistency(log, 302)["old_root_hash"] is None  # its neighbours still served
