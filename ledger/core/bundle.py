@@ -149,8 +149,13 @@ def header_bytes(records: int, manifest: dsse.Envelope, format: str = FORMAT) ->
 def record_prefix(index: int, kind: str, ref: str, member: bytes = b"dsse") -> bytes:
     """A record line up to its signed member's value: ``{"log_index":7,"kind":"envelope",
     "ref":"<id>","dsse":`` (``member`` ``tombstone`` for an erased envelope)."""
-    return b'{"log_index":%d,"kind":"%s","ref":%s,"%s":' % (
-        index, kind.encode(), orjson.dumps(ref), member)
+    return record_prefix_format(kind, member) % (index, orjson.dumps(ref))
+
+
+def record_prefix_format(kind: str, member: bytes = b"dsse") -> bytes:
+    """:func:`record_prefix` of one kind and member as a format of the log index and the
+    ref's JSON, ``% (index, orjson.dumps(ref))`` (for writers of many records)."""
+    return b'{"log_index":%%d,"kind":"%s","ref":%%s,"%s":' % (kind.encode(), member)
 
 
 def record_suffix(proof_json: bytes) -> bytes:

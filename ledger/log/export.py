@@ -18,13 +18,14 @@ import queue
 import stat
 import tempfile
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any, BinaryIO
 
 import orjson
+from psycopg import sql
 from sqlalchemy import Engine, select, text
 from sqlalchemy.orm import Session
 
@@ -33,11 +34,12 @@ from ledger.core.bundle import (
     dsse_line_digest,
     header_bytes,
     record_prefix,
-    record_suffix,
+    record_prefix_format,
 )
 from ledger.core.keys import public_raw
 from ledger.core.logentry import dsse_digest
 from ledger.core.note import format_verifier_key
+from ledger.core.sealing import MAGIC as SEALED
 from ledger.core.sealing import KeyEncryptionKey
 from ledger.core.statements import bundle_statement
 from ledger.db.models import SigningKey
@@ -147,8 +149,6 @@ def _is_regular_file(out: BinaryIO) -> bool:
         return False
 
 
-#: Records formatted between writes to the spool (and updates of the records' digest).
-_BATCH = 512
 _CHUNK = 1 << 20
 
 
@@ -292,38 +292,94 @@ class _Export:
         records digest, hex)."""
         conn, cp = self.conn, self.cp
         with _Spooler(dest) as spooler:
-            proofs = BundleProofs(conn.cursor(), cp)
-            proof_json = proofs.proof_json
+            suffix_of = BundleProofs(conn.cursor(), cp).record_suffix
             opener = Opener(conn.cursor(), self.kek)
-            batch: list[bytes] = []
-            digests: list[bytes] = []  # each line's (v3: see ledger.core.bundle.line_digest)
             for n, (kind, query) in enumerate(self.parts):
-                with conn.cursor(name=f"export_{n}", binary=True) as rows:
-                    rows.itersize = 2000
-                    rows.execute(f"{query} ORDER BY 1", self._args(kind))
-                    for log_index, ref, dsse_bytes, *dsse_sha256 in rows:
-                        # binary rows: bytea is bytes already, text is str
-                        name, member = b"dsse", dsse_bytes
-                        if dsse_sha256:  # an envelope: open it, or its tombstone if erased
-                            name, member = _envelope_member(opener, dsse_bytes,
-                                                            dsse_sha256[0], log_index)
-                        prefix = record_prefix(log_index, kind, ref, name)
-                        suffix = record_suffix(proof_json(log_index))
-                        line = b"%s%s%s\n" % (prefix, member, suffix)  # one copy of the DSSE
-                        if name == b"dsse":
-                            # the stored digest of an envelope's bytes (a wrong one makes
-                            # a bundle that ``ledger verify`` refuses, not a false one)
-                            hex_digest = (dsse_sha256[0].hex() if dsse_sha256
-                                          else dsse_digest(member))
-                            digests.append(dsse_line_digest(prefix, hex_digest, suffix))
+                prefix_format = record_prefix_format(kind)  # of a dsse member
+                with _Prefetched(conn, f"export_{n}", f"{query} ORDER BY 1",
+                                 self._args(kind)) as blocks:
+                    for block in blocks:
+                        # binary rows: bytea is bytes already, text is str. A line goes
+                        # to the spool as its pieces (prefix, signed member, suffix,
+                        # newline), joined there: one copy of the DSSE
+                        parts: list[bytes] = []
+                        digests: list[bytes] = []  # each line's (v3: bundle.line_digest)
+                        if kind == "envelope":
+                            for log_index, ref, stored, stored_sha256 in block:
+                                # sealed at rest: opened, or its tombstone if erased
+                                name, member = (_envelope_member(opener, stored,
+                                                                 stored_sha256, log_index)
+                                                if stored.startswith(SEALED)
+                                                else (b"dsse", stored))
+                                prefix = (prefix_format % (log_index, orjson.dumps(ref))
+                                          if name == b"dsse"
+                                          else record_prefix(log_index, kind, ref, name))
+                                suffix = suffix_of(log_index)
+                                # the stored digest of an envelope's bytes (a wrong one
+                                # makes a bundle that ``ledger verify`` refuses, not a
+                                # false one)
+                                digests.append(
+                                    dsse_line_digest(prefix, stored_sha256.hex(), suffix)
+                                    if name == b"dsse" else _line_sha256(prefix, member, suffix))
+                                parts += (prefix, member, suffix, b"\n")
                         else:
-                            digests.append(hashlib.sha256(line[:-1]).digest())
-                        batch.append(line)
-                        if len(batch) >= _BATCH:
-                            spooler.add(batch, digests)
-                            batch, digests = [], []
-            spooler.add(batch, digests)
+                            for log_index, ref, member in block:
+                                prefix = prefix_format % (log_index, orjson.dumps(ref))
+                                suffix = suffix_of(log_index)
+                                digests.append(dsse_line_digest(prefix, dsse_digest(member),
+                                                                suffix))
+                                parts += (prefix, member, suffix, b"\n")
+                        spooler.add(parts, digests)
             return spooler.finish()
+
+
+def _line_sha256(*pieces: bytes) -> bytes:
+    """SHA-256 of a line given as its pieces (without the newline)."""
+    h = hashlib.sha256()
+    for piece in pieces:
+        h.update(piece)
+    return h.digest()
+
+
+class _Prefetched:
+    """The rows of ``query`` in blocks, from a cursor declared on the server, each block
+    asked for (in pipeline mode) before the one before it is handed out: the database
+    finds and sends the next block while this one is formatted, where a plain fetch
+    would leave one side idle while the other works (a fetch thread of its own did not
+    overlap as well: it waits for the GIL). The connection stays usable for the
+    caller's other statements meanwhile (queued after the fetch in flight: the same
+    transaction, the same snapshot)."""
+
+    BLOCK = 1000
+
+    def __init__(self, conn: Any, name: str, query: str, params: Sequence[Any]) -> None:
+        self._blocks = self._read(conn, name, query, params)
+
+    def _read(self, conn: Any, name: str, query: str, params: Sequence[Any]
+              ) -> Generator[list[Any], None, None]:
+        with conn.cursor(name=name) as declared:
+            declared.execute(query, params)  # DECLARE, nothing fetched
+            fetch = sql.SQL("FETCH FORWARD {} FROM {}").format(
+                sql.Literal(self.BLOCK), sql.Identifier(name))
+            ahead, spare = conn.cursor(binary=True), conn.cursor(binary=True)
+            with conn.pipeline():
+                ahead.execute(fetch)
+                while True:
+                    spare.execute(fetch)  # the next block, asked for now
+                    block = ahead.fetchall()
+                    if not block:
+                        break
+                    yield block
+                    ahead, spare = spare, ahead
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        return self._blocks
+
+    def __enter__(self) -> _Prefetched:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._blocks.close()  # also when the caller stopped early or failed
 
 
 class _Spooler:
@@ -344,10 +400,10 @@ class _Spooler:
         self._thread.start()
 
     def add(self, batch: list[bytes], digests: list[bytes]) -> None:
-        """Spool ``batch``, record lines, and their line digests (the caller gives both
-        up: they are written later)."""
+        """Spool ``batch``, record lines (or their pieces, in order), and their line
+        digests, one a record (the caller gives both up: they are written later)."""
         self._raise()
-        self.count += len(batch)
+        self.count += len(digests)
         self._queue.put((batch, digests))
 
     def finish(self) -> tuple[int, str]:

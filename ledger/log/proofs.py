@@ -16,7 +16,12 @@ read in one statement; only when the latest checkpoint moved does a second read 
 what the new size needs. Verifying costs about 20 SHA-256 calls. An entry of a full tile
 that an earlier proof of the same signed tree went through, and that the process keeps,
 reads only its checkpoint and entry: :class:`TilePaths` proves it from the kept tile and
-what that proof proved, in 8 SHA-256 calls.
+what that proof proved, in 8 SHA-256 calls. A consistency proof from a size m whose entry
+m - 1 lies in such a tile reads only its checkpoints: it is the old tree's last full
+subtree and the path above it, from the kept tile and the same proved path, checked as
+that inclusion proof is (up to the proved tile hash: so it leads to the signed new root)
+and, where a checkpoint of size m exists, against its signed old root; verified
+consistency proofs teach :class:`TilePaths` too.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any, TypeVar
 from sqlalchemy import Connection
 from sqlalchemy.orm import Session
 
+from ledger.core.bundle import record_suffix
 from ledger.core.errors import LedgerError, ProofError, TreeRangeError
 from ledger.core.merkle import HASH_SIZE, node_hash, verify_consistency, verify_inclusion
 from ledger.core.merkle import leaf_hash as compute_leaf_hash
@@ -275,10 +281,12 @@ def inclusion(session: Session | Connection, log_index: int, tree_size: int | No
 
 
 class TilePaths:
-    """Inclusion proofs of entries in full level-0 tiles, from what earlier proofs of the
+    """Inclusion proofs of entries in full level-0 tiles (and consistency proofs from the
+    sizes that end in them: :meth:`consistency`), from what earlier proofs of the
     same signed tree proved: per tree (size, root), for each tile a proof went through,
     the tile's hash and the proof elements above it (``proof[8:]``, verified against the
-    signed root with the rest of that proof). An entry of such a tile whose tile is kept
+    signed root with the rest of that proof, or with a consistency proof through the
+    tile: :meth:`learn_consistency`). An entry of such a tile whose tile is kept
     (:class:`~ledger.log.store.SubtreeCache`) needs only its checkpoint and entry read:
     its 8 in-tile siblings come from the kept tile, and hashing its leaf up through them
     must give the tile's hash, which together with the elements above it leads to the
@@ -308,8 +316,10 @@ class TilePaths:
         return (paths is not None and tile in paths
                 and SUBTREES.tile(scope, 0, tile) is not None)
 
-    def proof(self, scope: str, cp: StoredCheckpoint, index: int, leaf: bytes
-              ) -> list[bytes] | None:
+    def _kept(self, scope: str, cp: StoredCheckpoint, index: int
+              ) -> tuple[bytes, bytes, list[bytes]] | None:
+        """(the kept tile of entry ``index`` laid flat, the tile's proved hash, the proved
+        path above it) in ``cp``'s tree, when all are known and the tile is full."""
         tile = index >> TILE_HEIGHT
         if tile >= cp.tree_size >> TILE_HEIGHT:
             return None
@@ -318,7 +328,14 @@ class TilePaths:
         flat = SUBTREES.tile(scope, 0, tile) if known is not None else None
         if known is None or flat is None:
             return None
-        tile_hash, above = known
+        return flat, known[0], known[1]
+
+    def proof(self, scope: str, cp: StoredCheckpoint, index: int, leaf: bytes
+              ) -> list[bytes] | None:
+        kept = self._kept(scope, cp, index)
+        if kept is None:
+            return None
+        flat, tile_hash, above = kept
         position, h, siblings = index & (TILE_WIDTH - 1), leaf, []
         for j in range(TILE_HEIGHT):
             k = (position >> j) ^ 1
@@ -331,6 +348,50 @@ class TilePaths:
             return None
         return siblings + above
 
+    def consistency(self, scope: str, cp: StoredCheckpoint, old_size: int,
+                    old_root: bytes | None) -> list[bytes] | None:
+        """The consistency proof from ``old_size`` (0 < old_size < size) to ``cp``'s tree,
+        when the tile of entry ``old_size - 1`` is full, kept and its path known; None
+        otherwise, or when it does not check out.
+
+        With 2**l the largest power of two dividing ``old_size``, RFC 9162's proof is
+        the old tree's last full subtree (l, old_size >> l - 1), then the path above it,
+        which is PATH(old_size - 1)[l:] (the elements below level l lie inside that
+        subtree); the subtree itself is left out when it is the whole old tree (old_size
+        a power of two). Inside the tile the subtree and the siblings above it come from
+        the kept tile, and hashed up they must give the tile's proved hash (else the
+        database's kept tiles and hashes are dropped, as after any failed check); above
+        the tile the path is the proved one (for l > 8 the subtree is made from the
+        tile's hash and the first elements of that path). So the proof leads to the
+        signed root as a whole proof verified against it does (:meth:`proof`). With
+        ``old_root``, the signed root of ``old_size``, the old root the proof implies
+        (what RFC 9162's verification folds its left siblings into) must be it."""
+        kept = self._kept(scope, cp, old_size - 1)
+        if kept is None:
+            return None
+        flat, tile_hash, above = kept
+        low = (old_size & -old_size).bit_length() - 1  # l
+        if low >= TILE_HEIGHT:   # the subtree is the tile's, or above it: left siblings
+            start = tile_hash
+            for sibling in above[:low - TILE_HEIGHT]:
+                start = node_hash(sibling, start)
+            path = [start, *above[low - TILE_HEIGHT:]]
+        else:
+            position = (old_size - 1) & (TILE_WIDTH - 1)
+            h = _flat_node(flat, low, position >> low)
+            path = [h]
+            for j in range(low, TILE_HEIGHT):
+                sibling = _flat_node(flat, j, (position >> j) ^ 1)
+                h = node_hash(sibling, h) if (position >> j) & 1 else node_hash(h, sibling)
+                path.append(sibling)
+            if h != tile_hash:   # the kept tile is not the one proved
+                SUBTREES.forget(scope)
+                return None
+            path += above
+        if old_root is not None and _old_root(old_size, cp.tree_size, path) != old_root:
+            return None   # the full path decides (and refuses)
+        return path if old_size & (old_size - 1) else path[1:]
+
     def learn(self, scope: str, cp: StoredCheckpoint, index: int, leaf: bytes,
               proof: list[bytes]) -> None:
         """Keep what ``proof`` (verified: entry ``index`` with ``leaf`` in ``cp``'s tree)
@@ -342,6 +403,30 @@ class TilePaths:
         for j in range(TILE_HEIGHT):
             sibling = proof[j]
             h = node_hash(sibling, h) if (position >> j) & 1 else node_hash(h, sibling)
+        self._keep(scope, cp, tile, h, proof[TILE_HEIGHT:])
+
+    def learn_consistency(self, scope: str, cp: StoredCheckpoint, old_size: int,
+                          proof: list[bytes], old_root: bytes) -> None:
+        """Keep what ``proof`` (verified: from ``old_size``, with ``old_root``, to
+        ``cp``'s tree) proves about the tile of entry ``old_size - 1``, when the tile is
+        full and the proof goes through it (the largest power of two dividing
+        ``old_size`` is at most the tile's 256): see :meth:`consistency`."""
+        low = (old_size & -old_size).bit_length() - 1
+        tile = (old_size - 1) >> TILE_HEIGHT
+        if not 0 < old_size < cp.tree_size or low > TILE_HEIGHT \
+                or tile >= cp.tree_size >> TILE_HEIGHT:
+            return
+        path = proof if old_size & (old_size - 1) else [old_root, *proof]
+        if len(path) < 1 + TILE_HEIGHT - low:
+            return
+        position, h = (old_size - 1) & (TILE_WIDTH - 1), path[0]
+        for j in range(low, TILE_HEIGHT):
+            sibling = path[1 + j - low]
+            h = node_hash(sibling, h) if (position >> j) & 1 else node_hash(h, sibling)
+        self._keep(scope, cp, tile, h, path[1 + TILE_HEIGHT - low:])
+
+    def _keep(self, scope: str, cp: StoredCheckpoint, tile: int, tile_hash: bytes,
+              above: list[bytes]) -> None:
         key = (scope, cp.tree_size, cp.root_hash)
         with self._lock:
             paths = self._trees.get(key)
@@ -353,7 +438,7 @@ class TilePaths:
                 self._sizes[(scope, cp.tree_size)] = cp.root_hash
             if len(paths) >= self.PER_TREE:
                 paths.clear()
-            paths[tile] = (h, list(proof[TILE_HEIGHT:]))
+            paths[tile] = (tile_hash, list(above))
 
     def forget(self) -> None:
         with self._lock:
@@ -364,6 +449,36 @@ class TilePaths:
 TILE_PATHS = TilePaths()
 
 
+def _flat_node(flat: bytes, j: int, k: int) -> bytes:
+    """Node ``k`` at in-tile level ``j`` (0: the tile's hashes) of a full tile laid flat
+    (its 256 hashes, then :func:`tile_nodes`)."""
+    at = (k if j == 0 else 2 * TILE_WIDTH - (2 * TILE_WIDTH >> j) + k) * HASH_SIZE
+    return flat[at:at + HASH_SIZE]
+
+
+def _old_root(old_size: int, new_size: int, path: list[bytes]) -> bytes:
+    """MTH(D[0:old_size]) as a consistency proof's ``path`` (its subtree first, the
+    proof's first element or the old root: see :meth:`TilePaths.consistency`) implies
+    it: what RFC 9162's verification (:func:`verify_consistency`) folds the left
+    siblings into. Checked against the new root by that verification."""
+    fn, sn = old_size - 1, new_size - 1
+    while fn & 1:
+        fn >>= 1
+        sn >>= 1
+    root = path[0]
+    for sibling in path[1:]:
+        if fn & 1 or fn == sn:
+            root = node_hash(sibling, root)
+            while not fn & 1 and fn != 0:
+                fn >>= 1
+                sn >>= 1
+        fn >>= 1
+        sn >>= 1
+    return root
+
+
+
+
 def consistency(session: Session | Connection, old_size: int, new_size: int | None, *,
                 log_keys: Sequence[NoteVerifier] = ()) -> dict[str, Any]:
     """The consistency proof from ``old_size`` to the checkpoint of ``new_size`` (None:
@@ -372,7 +487,9 @@ def consistency(session: Session | Connection, old_size: int, new_size: int | No
     with conn.cursor(binary=True) as cur:
         scope, memo, rows = _read(
             cur, new_size, [new_size, old_size], None,
-            lambda _scope, size, memo: consistency_proof_slices(old_size, size, memo)
+            lambda scope, size, memo: []
+            if 0 < old_size < size and TILE_PATHS.ready(scope, size, old_size - 1)
+            else consistency_proof_slices(old_size, size, memo)
             if 0 <= old_size <= size else [])
         new_cp = signed_checkpoint(_found(_pick(rows.checkpoints, new_size), new_size),
                                    log_keys)
@@ -382,6 +499,11 @@ def consistency(session: Session | Connection, old_size: int, new_size: int | No
             raise TreeRangeError(f"from={old_size} is larger than to={new_cp.tree_size}")
         old_stored = _pick(rows.checkpoints, old_size)
         old_cp = signed_checkpoint(old_stored, log_keys) if old_stored and old_size else None
+        quick = TILE_PATHS.consistency(scope, new_cp, old_size,
+                                       old_cp.root_hash if old_cp else None) \
+            if 0 < old_size < new_cp.tree_size else None
+        if quick is not None:
+            return _consistency_json(old_size, quick, old_cp, new_cp)
         reader = _ReaderOnDemand(conn, scope)
 
         def build(memo: Memo | None) -> tuple[list[bytes], bytes]:
@@ -396,8 +518,16 @@ def consistency(session: Session | Connection, old_size: int, new_size: int | No
             verify_consistency(old_size, new_cp.tree_size, built[0], old_root,
                                new_cp.root_hash)
 
-        proof, _ = _verified(build, check, _ProofMemo(memo, rows.hashes, new_cp.tree_size), scope,
-                             f"consistency proof {old_size} -> {new_cp.tree_size}")
+        proof, built_old_root = _verified(
+            build, check, _ProofMemo(memo, rows.hashes, new_cp.tree_size), scope,
+            f"consistency proof {old_size} -> {new_cp.tree_size}")
+        TILE_PATHS.learn_consistency(scope, new_cp, old_size, proof,
+                                     old_cp.root_hash if old_cp else built_old_root)
+    return _consistency_json(old_size, proof, old_cp, new_cp)
+
+
+def _consistency_json(old_size: int, proof: list[bytes], old_cp: StoredCheckpoint | None,
+                      new_cp: StoredCheckpoint) -> dict[str, Any]:
     return {
         "from": old_size,
         "to": new_cp.tree_size,
@@ -439,12 +569,15 @@ class _UpperTilesKept:
 
 class BundleProofs:
     """Inclusion proofs of many entries against one signed checkpoint, for an export:
-    JSON arrays of base64 hashes, as bundle records carry them.
+    each as the end of its bundle record, ``,"inclusion_proof":[...]}``
+    (:func:`~ledger.core.bundle.record_suffix` of the JSON array of base64 hashes).
 
     Entries come in index order, so the work is per level-0 tile, not per entry: each
     tile is read once (a few at a time, with its stored subtree hashes), the path above
-    it is built and verified against the signed root once, and each entry's 8 hashes
-    inside the tile are checked up to the tile's hash (8 SHA-256 calls). Where most of a
+    it is built and verified against the signed root once (and kept for the export's
+    later kinds, which go through the tiles again: only a tile of the same hash reuses
+    it), and each entry's 8 hashes inside the tile are checked up to the tile's hash
+    (8 SHA-256 calls). Where most of a
     tile is exported (the previous tile gave ``DENSE`` entries or more), the tile's
     subtree hashes are recomputed from its leaves instead (255 SHA-256 calls per tile,
     about one per entry) and the per-entry check is not needed. Entries of the rightmost
@@ -453,6 +586,7 @@ class BundleProofs:
 
     DENSE = 32
     PREFETCH = 32
+    PROVED = 1 << 14   # tiles whose path above is kept for later passes (~0.7 KiB each)
 
     def __init__(self, cur: Any, cp: StoredCheckpoint) -> None:
         cp = signed_checkpoint(cp)
@@ -464,33 +598,47 @@ class BundleProofs:
         self._tile = -1
         self._used = 0
         self._dense = False
+        self._all = b""
         self._paths: list[bytes | None] = []
+        # tile -> (its hash, the JSON of the verified path above it): an export's kinds
+        # are written one after the other, each in index order, so the tiles are entered
+        # once per kind; the path above is built and verified once
+        self._proved: dict[int, tuple[bytes, bytes]] = {}
+        # record_suffix around a proof's JSON, split where a record's own two pieces go
+        # (its sibling, then the tail of the node above it: see _path)
+        self._open, self._close = record_suffix(b"\0").split(b"\0")
 
-    def proof_json(self, index: int) -> bytes:
-        """``["<b64>", ...]`` of PATH(index, D[0:size]), verified."""
-        if not 0 <= index < self.size:
-            raise TreeRangeError(f"log index {index} is not in the tree of size {self.size}")
+    def record_suffix(self, index: int) -> bytes:
+        """``,"inclusion_proof":["<b64>",...]}``: PATH(index, D[0:size]), verified, as
+        :func:`~ledger.core.bundle.record_suffix` frames it."""
         tile = index >> TILE_HEIGHT
-        if tile >= self._full:
-            return self._one(index)
-        if tile != self._tile:
+        if tile != self._tile:   # (an index of the current tile is in the tree)
+            if not 0 <= index < self.size:
+                raise TreeRangeError(
+                    f"log index {index} is not in the tree of size {self.size}")
+            if tile >= self._full:
+                return record_suffix(self._one(index))
             self._enter(tile)
         self._used += 1
         pos = index & (TILE_WIDTH - 1)
-        path = self._paths[pos] or self._path(pos)
         if not self._dense:
             self._check_inside(pos)
-        return b'["' + path
+        up = TILE_WIDTH + (pos >> 1)   # the level-1 node above it, flat (see _path)
+        at = (pos ^ 1) * HASH_SIZE     # its sibling
+        return b'%s["%s","%s%s' % (self._open, b2a_base64(self._all[at:at + HASH_SIZE],
+                                                          newline=False),
+                                   self._paths[up] or self._path(1, pos >> 1), self._close)
 
-    def _path(self, pos: int) -> bytes:
-        """The JSON tail of entry ``pos``'s proof: its sibling at every in-tile level,
-        then the hashes above the tile. Node k at in-tile level j has the tail of node
-        k >> 1 above it after its own sibling, so a tail is kept per node: a tile's
-        entries share them (about two concatenations an entry, not eight)."""
+    def _path(self, j: int, k: int) -> bytes:
+        """The JSON tail of the proof of node ``k`` at in-tile level ``j`` >= 1:
+        ``<b64 sibling>",...,"<b64>"]``, its sibling at every in-tile level from j on,
+        then the hashes above the tile. The node above it has the tail after its own
+        sibling, so a tail is kept per node (by its place in the tile's 511 hashes laid
+        flat, :data:`_SIBLINGS`): a tile's entries share them (about one concatenation an
+        entry besides its own)."""
         paths, chain = self._paths, []
         rest: bytes | None = None
-        k = pos
-        for _j, base in _SIBLINGS:
+        for _j, base in _SIBLINGS[j:]:
             known = paths[base + k]
             if known is not None:
                 rest = known
@@ -505,28 +653,39 @@ class BundleProofs:
         return rest
 
     def _enter(self, tile: int) -> None:
-        self._dense = self._used >= self.DENSE
-        self._used = 0
-        self._tile = tile
+        """Make ``tile`` the current one: read (and kept as :meth:`record_suffix` assumes)
+        only once every check passed."""
+        self._tile = -1
+        dense = self._used >= self.DENSE
         if tile not in self._ahead:
             want = [Tile(0, t) for t in range(tile, min(tile + self.PREFETCH, self._full))]
             self._ahead = dict(zip((t.index for t in want),
                                    self.reader.read_tiles_and_nodes(want), strict=True))
         data, nodes = self._ahead.pop(tile)
-        if self._dense or nodes is None:
+        if dense or nodes is None:
             nodes = tile_nodes(data)  # derived from the leaves: checked by construction
         self._all = data + nodes  # the 511 hashes: leaves, then tile_nodes' order
         self._paths = [None] * (2 * TILE_WIDTH - 1)  # by flat index: see _path
         self._hash = nodes[-HASH_SIZE:]
-        above = subtree_path_from_tiles(TILE_HEIGHT, tile, self.size, self.reader, self.memo)
-        try:
-            verify_inclusion(self._hash, tile, -(-self.size >> TILE_HEIGHT), above, self.root)
-        except ProofError:
-            raise StoredTreeMismatch(
-                f"the stored tree above entries {tile << TILE_HEIGHT}.."
-                f"{(tile << TILE_HEIGHT) + TILE_WIDTH - 1} does not verify against the "
-                "signed checkpoint; run `ledger audit`") from None
-        self._above = b"".join(b'","' + b2a_base64(h, newline=False) for h in above) + b'"]'
+        proved = self._proved.get(tile)
+        if proved is not None and proved[0] == self._hash:
+            self._above = proved[1]   # the path above this tile hash, verified before
+        else:
+            above = subtree_path_from_tiles(TILE_HEIGHT, tile, self.size, self.reader,
+                                            self.memo)
+            try:
+                verify_inclusion(self._hash, tile, -(-self.size >> TILE_HEIGHT), above,
+                                 self.root)
+            except ProofError:
+                raise StoredTreeMismatch(
+                    f"the stored tree above entries {tile << TILE_HEIGHT}.."
+                    f"{(tile << TILE_HEIGHT) + TILE_WIDTH - 1} does not verify against the "
+                    "signed checkpoint; run `ledger audit`") from None
+            self._above = b"".join(b'","' + b2a_base64(h, newline=False)
+                                   for h in above) + b'"]'
+            if len(self._proved) < self.PROVED:
+                self._proved[tile] = (self._hash, self._above)
+        self._dense, self._used, self._tile = dense, 0, tile
 
     def _flat(self, at: int) -> bytes:
         return self._all[at * HASH_SIZE : (at + 1) * HASH_SIZE]
@@ -543,6 +702,7 @@ class BundleProofs:
                 "not hash to their tile; run `ledger audit`")
 
     def _one(self, index: int) -> bytes:
+        """The JSON array of entry ``index``'s proof, built and verified whole."""
         tile = Tile(0, index >> TILE_HEIGHT, tile_width(0, index >> TILE_HEIGHT, self.size))
         data = self.reader.read_tiles([tile])[0]
         pos = index & (TILE_WIDTH - 1)

@@ -353,3 +353,109 @@ def test_proofs_from_what_earlier_proofs_proved_are_the_full_proofs(
         assert inclusion(log, i).proof == built[i].proof, i
     full = log.size >> tiles.TILE_HEIGHT << tiles.TILE_HEIGHT
     assert calls == list(range(full, log.size))         # only the partial tile's entries
+
+
+def consistency(log: Log, old_size: int) -> dict[str, object]:
+    with session_scope(log.engine) as s:
+        return proofs.consistency(s, old_size, None)
+
+
+def test_consistency_proofs_from_what_earlier_proofs_proved_are_the_full_proofs(
+        log: Log, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consistency proof from m goes through the tile of entry m - 1: once that tile is
+    kept and its path above known (``proofs.TilePaths``, here learned from the
+    consistency proofs themselves), the proof is made from them, every one the same as
+    built from the tiles and verified against the signed roots (the old one too, where
+    a checkpoint of size m exists); sizes whose entry m - 1 is in the partial tile, 0
+    and the tree's size are built as before."""
+    from ledger.core import tiles
+    from ledger.core.merkle import verify_consistency
+
+    consistency(log, 1)                                  # the process learns the size
+    with monkeypatch.context() as m:
+        m.setattr(proofs.TILE_PATHS, "consistency", lambda *_args: None)
+        built = {n: consistency(log, n) for n in range(log.size + 1)}  # built, learned
+    with psycopg.connect(log.pg) as conn:
+        signed_sizes = {r[0] for r in conn.execute("SELECT tree_size FROM checkpoints")}
+    assert any(built[n]["old_root_hash"] for n in range(1, 512)), signed_sizes
+    calls: list[int] = []
+    real = proofs.consistency_proof_and_old_root_from_tiles
+
+    def counted(old_size: int, *args: object, **kwargs: object) -> tuple[list[bytes], bytes]:
+        calls.append(old_size)
+        return real(old_size, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(proofs, "consistency_proof_and_old_root_from_tiles", counted)
+    new_root = base64.b64decode(str(built[0]["new_root_hash"]))
+    for n in range(log.size + 1):
+        got = consistency(log, n)
+        assert got == built[n], n
+        assert (got["old_root_hash"] is not None) == (n in signed_sizes and n > 0), n
+        if got["old_root_hash"] is not None:
+            verify_consistency(n, log.size, [base64.b64decode(str(h)) for h in got["proof"]],
+                               base64.b64decode(str(got["old_root_hash"])), new_root)
+    full = log.size >> tiles.TILE_HEIGHT << tiles.TILE_HEIGHT
+    assert calls == [0, *range(full + 1, log.size + 1)]
+
+
+def test_a_poisoned_kept_tile_gives_the_consistency_proof_from_the_database(
+        log: Log) -> None:
+    """The quick consistency proof verifies what it took from the kept tile: a wrong
+    byte there fails that check, the database's kept tiles and hashes are dropped and
+    the proof built from the database is served."""
+    consistency(log, 1)
+    good = {n: consistency(log, n) for n in (3, 300, 301, 512)}  # 512: above the tile
+    scope = _scope(log)
+    for idx in (0, 1):
+        assert SUBTREES.tile(scope, 0, idx) is not None
+        SUBTREES.keep_tile(scope, 0, idx, bytes(FLAT_TILE_BYTES))
+    for n, proof in good.items():
+        assert consistency(log, n) == proof, n
+    assert SUBTREES.tile(scope, 0, 1) != bytes(FLAT_TILE_BYTES)  # read again
+
+
+def test_an_exports_later_kinds_reuse_a_verified_path_only_for_the_same_tile(
+        log: Log, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An export goes through the tiles once per kind: the path above a tile, verified
+    on the first pass, serves the later ones only while the tile hashes to the same
+    value; an edit in between is refused, never served."""
+    from ledger.log.store import latest_checkpoint
+
+    calls: list[int] = []
+    real = proofs.subtree_path_from_tiles
+
+    def counted(level: int, index: int, *args: object, **kwargs: object) -> list[bytes]:
+        calls.append(index)
+        return real(level, index, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(proofs, "subtree_path_from_tiles", counted)
+    with psycopg.connect(log.pg) as conn, conn.cursor(binary=True) as cur:
+        cp = latest_checkpoint(cur)
+        assert cp is not None
+        bundle = proofs.BundleProofs(cur, cp)
+        first = {i: bundle.record_suffix(i) for i in (3, 300)}   # first kind
+        assert calls == [0, 1]
+        assert {i: bundle.record_suffix(i) for i in (3, 300)} == first  # the next kind
+        assert calls == [0, 1]
+        flip_node(log, 1, 254)  # tile 1's own hash, as its stored nodes say
+        assert bundle.record_suffix(4).startswith(b',"inclusion_proof":["')
+        with pytest.raises(StoredTreeMismatch):
+            bundle.record_suffix(300)
+        assert calls == [0, 1, 1]
+
+
+def test_a_planted_old_checkpoint_is_refused_by_the_quick_consistency_proof(
+        log: Log) -> None:
+    """Where a checkpoint of the old size exists, the quick proof must lead to its signed
+    root too: a planted one (not the tree's root) gives no quick proof, and the full path
+    refuses it."""
+    consistency(log, 1)
+    for n in (300, 302, 303):
+        consistency(log, n)                   # tile 1 and its path are known
+    planted = sign_checkpoint(Checkpoint(ORIGIN, 301, bytes(32)), ORIGIN,
+                              generate_private_key())
+    superuser(log, "INSERT INTO checkpoints (tree_size, root_hash, note) "
+              "VALUES (301, %s, %s)", (bytes(32), planted))
+    with pytest.raises(StoredTreeMismatch):
+        consistency(log, 301)
+    assert consistency(log, 302)["old_root_hash"] is None  # its neighbours still served
