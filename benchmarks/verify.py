@@ -17,7 +17,10 @@ each size, it runs ``ledger verify BUNDLE --processes P`` as a child process and
   command's "time" row; interpreter and import start-up, ~0.5-1 s, excluded; the wall
   time of the whole command is printed too);
 - the same-run per-record floor (the issue's): libsodium's Ed25519 verification of the
-  record's PAE (PyNaCl, what the verifier calls), SHA-256 of its DSSE bytes and an
+  record's PAE (PyNaCl's ``crypto_sign_open``; since 2026-12-02 the verifier calls the
+  same libsodium function through PyNaCl's binding without an output buffer, which
+  spares the copies of the message the floor's call still makes, ~1.5 us a record:
+  ``ledger.core.keys._crypto_sign_open``), SHA-256 of its DSSE bytes and an
   ``orjson`` parse of its line, on a sample of the bundle's records, in as many processes
   at once as the verifier ran, 3 s right before and right after each run (on a shared
   machine the load changes by the minute: the two are averaged, and of ``--rounds`` runs

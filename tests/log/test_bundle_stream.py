@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
-from ledger.core.bundle import BundleError, BundleSummary, verify_bundle, verify_file
+from ledger.core.bundle import (
+    BundleError,
+    BundleSummary,
+    iter_lines,
+    verify_bundle,
+    verify_file,
+    verify_stream,
+)
 from tests.log.test_bundle_whole import Exported, N, ledger, populate
 
 RECORDS = 3 + N  # three admin events (service key, log key, producer key), then envelopes
@@ -229,11 +237,12 @@ def test_a_bundle_whose_manifest_does_not_match_is_refused_the_same_way(
         "the records are not those the manifest signs (digest mismatch)"}
 
 
-def test_chunks_in_shared_slots_and_pickled_chunks_agree(
+def test_mapped_chunks_shared_slots_and_pickled_chunks_agree(
         bundle: Exported, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With fork, chunks reach the workers through shared memory (``Slots``); a chunk too
-    large for a slot is pickled as before. Both give the same summary and the same
-    refusal, and each path is really taken."""
+    """Three ways chunks reach the workers: a v3 bundle file is mapped and the workers
+    read their lines from the mapping (``verify_file``); lines given one at a time go
+    through shared memory (``Slots``); a chunk too large for a slot is pickled. All give
+    the same summary and the same refusal, and each path is really taken."""
     from ledger.core import bundle as bundle_module
 
     placed: list[bool] = []
@@ -244,7 +253,15 @@ def test_chunks_in_shared_slots_and_pickled_chunks_agree(
         placed.append(got is not None)
         return got
 
+    mapped: list[int] = []
+    verify_mapping = bundle_module._verify_mapping
+
+    def counting_mapping(*args: object, **kwargs: object) -> object:
+        mapped.append(1)
+        return verify_mapping(*args, **kwargs)  # type: ignore[arg-type]
+
     monkeypatch.setattr(bundle_module.Slots, "put", counting_put)
+    monkeypatch.setattr(bundle_module, "_verify_mapping", counting_mapping)
     lines = bundle.bundle.read_bytes().split(b"\n")[:-1]
     middle = 1 + 3 + N // 2
     rec = orjson.loads(lines[middle])
@@ -252,24 +269,59 @@ def test_chunks_in_shared_slots_and_pickled_chunks_agree(
     tampered = write(bundle.tmp / "tampered-ref.jsonl",
                      [*lines[:middle], orjson.dumps(rec), *lines[middle + 1:]])
 
-    def both() -> tuple[dict[str, object], str]:
-        summary = verify_file(bundle.bundle, trust=bundle.policy, processes=2, chunk=2,
-                              chunk_bytes=1 << 20)
+    def both(verify: Callable[..., BundleSummary]) -> tuple[dict[str, object], str]:
+        summary = verify(bundle.bundle, trust=bundle.policy, processes=2, chunk=2,
+                         chunk_bytes=1 << 20)
         with pytest.raises(BundleError) as info:
-            verify_file(tampered, trust=bundle.policy, processes=2, chunk=2,
-                        chunk_bytes=1 << 20)
+            verify(tampered, trust=bundle.policy, processes=2, chunk=2, chunk_bytes=1 << 20)
         return dataclasses.asdict(summary), info.value.message
 
-    via_slots = both()
-    assert placed and all(placed)
+    def streamed(path: Path, **kwargs: Any) -> BundleSummary:
+        with path.open("rb") as fh:
+            return verify_stream(iter_lines(fh), **kwargs)
+
+    via_mapping = both(verify_file)
+    assert len(mapped) == 2 and not placed
+    via_slots = both(streamed)
+    assert placed and all(placed) and len(mapped) == 2
     placed.clear()
     monkeypatch.setattr(bundle_module, "SLOT_SLACK", 1 - (1 << 20))  # slots of 1 byte
-    pickled = both()
+    pickled = both(streamed)
     assert placed and not any(placed)
-    assert via_slots == pickled
+    assert via_mapping == via_slots == pickled
     assert via_slots[0]["records"] == RECORDS
     assert via_slots[1].startswith(f"line {middle + 1} "), via_slots[1]
     assert "the signed payload names" in via_slots[1], via_slots[1]
+
+
+def test_a_mapped_bundle_refuses_a_line_past_the_limit_after_the_faults_before_it(
+        bundle: Exported, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read from its mapping, a bundle file's line longer than ``MAX_LINE_BYTES`` is
+    refused as it is found (nothing is buffered), and a fault in a line before it, queued
+    or batched, is the one named; a line of spaces is an empty line, as in the stream."""
+    from ledger.core import bundle as bundle_module
+
+    lines = bundle.bundle.read_bytes().split(b"\n")[:-1]
+    limit = max(len(line) for line in lines)
+    monkeypatch.setattr(bundle_module, "MAX_LINE_BYTES", limit)
+    middle = 1 + 3 + N // 2
+    long = write(bundle.tmp / "long.jsonl",
+                 [*lines[:middle], b" " * (limit + 1), *lines[middle:]])
+    for p, c in ((1, 2), (1, 2000), (2, 2), (2, 2000)):
+        with pytest.raises(BundleError, match=f"^a line of the bundle is longer than "
+                                              f"{limit} bytes$"):
+            verify_file(long, trust=bundle.policy, processes=p, chunk=c)
+    rec = orjson.loads(lines[middle - 2])
+    rec["ref"] = rec["ref"] + "x"
+    both = write(bundle.tmp / "long-after-fault.jsonl",
+                 [*lines[:middle - 2], orjson.dumps(rec), *lines[middle - 1:middle],
+                  b" " * (limit + 1), *lines[middle:]])
+    for p, c in ((1, 2), (1, 2000), (2, 2), (2, 2000)):
+        with pytest.raises(BundleError, match=f"^line {middle - 1} .*the signed payload "
+                                              "names"):
+            verify_file(both, trust=bundle.policy, processes=p, chunk=c)
+    spaces = write(bundle.tmp / "spaces.jsonl", [*lines[:8], b" \t ", *lines[8:]])
+    assert set(refusals(spaces, bundle)) == {"line 9: empty line"}
 
 
 def test_an_export_into_a_file_and_through_a_pipe_holds_the_same_records(
