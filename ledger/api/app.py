@@ -448,6 +448,24 @@ def _log_proofs_state(app: FastAPI, settings: Settings, engine: Engine) -> None:
     app.state.log_keys = (log_signer.verifier(),) if log_signer is not None else ()
 
 
+def _ingest_state(app: FastAPI, settings: Settings, engine: Engine) -> None:
+    """What the ingest routes use besides the app's engine."""
+    url = engine.url.render_as_string(hide_password=False)
+    # the storing step, on a connection of its own (ledger.services.ingest.GroupCommit)
+    app.state.group_commit = GroupCommit(make_engine(settings, url=url, pool_size=1),
+                                         settings)
+    # the thread-pool hop (ledger.api.routes.envelopes.in_ingest_thread)
+    app.state.ingest_threads = ThreadPoolExecutor(INGEST_THREADS,
+                                                  thread_name_prefix="ledger-ingest")
+    # the reads (the API key, the producer keys): autocommit, no pre-ping
+    # (ledger.db.session.AutocommitReads retries a statement that met a dropped connection);
+    # every request takes one, so at more than db_pool_size concurrent ingests the overflow
+    # is kept, not reconnected per request (benchmarks/ingest_cpu.py: sessions opened)
+    app.state.ingest_reads = make_engine(
+        settings, url=url, pre_ping=False, autocommit=True,
+        application_name=INGEST_READS_APPLICATION, keep_overflow=True)
+
+
 def create_app(settings: Settings | None = None, engine: Engine | None = None,
                publisher: Publisher | None = None) -> FastAPI:
     settings = settings or get_settings()
@@ -465,20 +483,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessionmaker = session_factory(engine)
-    # ingest's storing step, on a connection of its own (ledger.services.ingest.GroupCommit)
-    app.state.group_commit = GroupCommit(make_engine(
-        settings, url=engine.url.render_as_string(hide_password=False), pool_size=1),
-        settings)
-    # ingest's thread-pool hop (ledger.api.routes.envelopes.in_ingest_thread)
-    app.state.ingest_threads = ThreadPoolExecutor(INGEST_THREADS,
-                                                  thread_name_prefix="ledger-ingest")
-    # ingest's reads (the API key, the producer keys): autocommit, no pre-ping
-    # (ledger.db.session.AutocommitReads retries a statement that met a dropped connection);
-    # every request takes one, so at more than db_pool_size concurrent ingests the overflow
-    # is kept, not reconnected per request (benchmarks/ingest_cpu.py: sessions opened)
-    app.state.ingest_reads = make_engine(
-        settings, url=engine.url.render_as_string(hide_password=False), pre_ping=False,
-        autocommit=True, application_name=INGEST_READS_APPLICATION, keep_overflow=True)
+    _ingest_state(app, settings, engine)
     _log_proofs_state(app, settings, engine)
     app.state.service_signer = Signer.from_file(settings.service_key_file, "ledger",
                                                 "ledger-service")

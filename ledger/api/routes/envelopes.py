@@ -130,19 +130,25 @@ def _ingest_sync(app: Any, credentials: Credentials | None, body: bytes | Ledger
             raise body
         items = _batch_items(body, settings) if batch else [body]
         metrics.BATCH_SIZE.observe(len(items))
-
-        def producer_keys(keyids: Iterable[str]) -> KeyRing:
-            ids = set(keyids)
-            ring = read_ahead.keyring(ids, purpose="producer") if read_ahead else None
-            if ring is not None:
-                return ring
-            try:
-                return load_keyring_reads(reads, ids, purpose="producer")
-            finally:
-                reads.release()  # not held while the items are verified and stored
-
-        return ingest_service.ingest_batch(producer_keys, items, settings, atomic=atomic,
+        return ingest_service.ingest_batch(_producer_keys(reads, read_ahead), items,
+                                           settings, atomic=atomic,
                                            group_commit=app.state.group_commit)
+
+
+def _producer_keys(reads: AutocommitReads, read_ahead: ReadKeys | None
+                   ) -> ingest_service.KeyLoader:
+    """The producer keys of the key IDs asked for: from ``read_ahead`` (read in the API
+    key's statement) where it has them all, else read now."""
+    def producer_keys(keyids: Iterable[str]) -> KeyRing:
+        ids = set(keyids)
+        ring = read_ahead.keyring(ids, purpose="producer") if read_ahead else None
+        if ring is not None:
+            return ring
+        try:
+            return load_keyring_reads(reads, ids, purpose="producer")
+        finally:
+            reads.release()  # not held while the items are verified and stored
+    return producer_keys
 
 
 async def in_ingest_thread(app: Any, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
