@@ -293,6 +293,7 @@ def _lifespan(settings: Settings, engine: Engine
             if app.state.metrics_listener is not None:
                 app.state.metrics_listener.stop()
             app.state.ingest_threads.shutdown(wait=True)
+            app.state.ingest_threads = _ingest_threads()  # for a lifespan run again
             app.state.group_commit.close()
             app.state.ingest_reads.dispose()
             app.state.log_reads.dispose()
@@ -448,6 +449,11 @@ def _log_proofs_state(app: FastAPI, settings: Settings, engine: Engine) -> None:
     app.state.log_keys = (log_signer.verifier(),) if log_signer is not None else ()
 
 
+def _ingest_threads() -> ThreadPoolExecutor:
+    """The ingest routes' threads (no thread starts before the first request)."""
+    return ThreadPoolExecutor(INGEST_THREADS, thread_name_prefix="ledger-ingest")
+
+
 def _ingest_state(app: FastAPI, settings: Settings, engine: Engine) -> None:
     """What the ingest routes use besides the app's engine."""
     url = engine.url.render_as_string(hide_password=False)
@@ -455,8 +461,7 @@ def _ingest_state(app: FastAPI, settings: Settings, engine: Engine) -> None:
     app.state.group_commit = GroupCommit(make_engine(settings, url=url, pool_size=1),
                                          settings)
     # the thread-pool hop (ledger.api.routes.envelopes.in_ingest_thread)
-    app.state.ingest_threads = ThreadPoolExecutor(INGEST_THREADS,
-                                                  thread_name_prefix="ledger-ingest")
+    app.state.ingest_threads = _ingest_threads()
     # the reads (the API key, the producer keys): autocommit, no pre-ping
     # (ledger.db.session.AutocommitReads retries a statement that met a dropped connection);
     # every request takes one, so at more than db_pool_size concurrent ingests the overflow

@@ -732,14 +732,22 @@ def _verify_mapped(first: int, start: int, ends: bytes) -> ChunkResult:
         return verify_chunk((_WORKER_HEADER,
                              _mapped_lines(_WORKER_MAPPING, first, start, offsets)))
     finally:
-        _release_pages(_WORKER_MAPPING, start, offsets[-1])
+        _release_pages(_WORKER_MAPPING, start, offsets[-1], FAULT_AROUND)
 
 
-def _release_pages(mapping: mmap.mmap, start: int, end: int) -> None:
-    """Unmap from this process the file's pages from the one holding ``start`` to the one
-    holding ``end`` (``MADV_DONTNEED``: the kernel keeps them in its page cache, and a
-    later read maps them again). Mapped file pages count in a process's RSS: without
-    this, verifying a 28 GB bundle would show 28 GB resident."""
+#: How far around a faulting page Linux maps neighbouring cached pages of a file
+#: (``fault_around_bytes``, 64 KiB by default): a worker's chunk maps pages of the chunks
+#: beside it, which other workers verify, so a worker releases that far beyond its own.
+FAULT_AROUND = 64 * 1024
+
+
+def _release_pages(mapping: mmap.mmap, start: int, end: int, margin: int = 0) -> None:
+    """Unmap from this process the file's pages from the one holding ``start - margin``
+    to the one holding ``end + margin`` (``MADV_DONTNEED``: the kernel keeps them in its
+    page cache, and a later read maps them again; another process's mapping of them is
+    its own). Mapped file pages count in a process's RSS: without this, verifying a 28 GB
+    bundle would show 28 GB resident."""
+    start, end = max(start - margin, 0), min(end + margin, len(mapping) - 1)
     lo = start - start % mmap.PAGESIZE
     if end >= lo:
         mapping.madvise(mmap.MADV_DONTNEED, lo, end + 1 - lo)

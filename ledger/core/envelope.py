@@ -62,6 +62,11 @@ DataSubject = Annotated[str, Field(
 NO_NUL = r"^[^\x00]*$"
 ShortStr = Annotated[str, Field(min_length=1, max_length=200, pattern=NO_NUL)]
 OptShortStr = Annotated[str | None, Field(default=None, max_length=200, pattern=NO_NUL)]
+#: Integers a runtime carries (engine flags, informational fields) are I-JSON safe
+#: (RFC 7493): the fingerprint is their RFC 8785 form, which has no larger integers
+#: (checked in :class:`Runtime`'s validator: as a bound in this union, a larger integer
+#: would be taken as a float).
+MAX_SAFE_INT = 2**53 - 1
 FlagValue = (Annotated[str, Field(max_length=1000, pattern=NO_NUL)] | int | float | bool
              | Annotated[list[Annotated[str, Field(max_length=200, pattern=NO_NUL)]],
                          Field(max_length=256)]
@@ -137,6 +142,10 @@ class Runtime(BaseModel):
 
     @model_validator(mode="after")
     def _extras_are_scalars(self) -> Runtime:
+        for name, value in self.engine_flags.items():
+            if _unsafe_int(value):
+                raise ValueError(f"engine flag {name!r} is an integer beyond +-(2**53 - 1) "
+                                 "(RFC 7493)")
         extras = self.model_extra or {}
         if len(extras) > 64:
             raise ValueError("runtime holds more than 64 informational fields")
@@ -145,10 +154,17 @@ class Runtime(BaseModel):
                                        or (isinstance(value, str) and len(value) <= 1000)):
                 raise ValueError(f"informational runtime field {name!r} must be a JSON "
                                  "scalar (strings up to 1000 characters)")
+            if _unsafe_int(value):
+                raise ValueError(f"informational runtime field {name!r} is an integer "
+                                 "beyond +-(2**53 - 1) (RFC 7493)")
             if "\x00" in name or (isinstance(value, str) and "\x00" in value):
                 raise ValueError(f"informational runtime field {name!r} holds a NUL "
                                  "character (PostgreSQL cannot store it)")
         return self
+
+
+def _unsafe_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_SAFE_INT
 
 
 class TopLogprob(_Model):

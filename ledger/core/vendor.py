@@ -40,7 +40,7 @@ from ledger.core.envelope import (
     ShortStr,
     Subject,
 )
-from ledger.core.errors import validation_failed
+from ledger.core.errors import ValidationFailed, validation_failed
 from ledger.core.fingerprint import fingerprint_id
 
 VENDOR_ENVELOPE_PREDICATE_TYPE = "urn:inference-ledger:envelope:v2"
@@ -236,9 +236,18 @@ def validate_vendor_statement(obj: Any) -> VendorEnvelopeStatement:
         raise validation_failed(exc, "envelope payload", "invalid_envelope") from None
 
 
+#: The largest token count the ledger stores (a PostgreSQL integer column).
+MAX_TOKEN_COUNT = 2**31 - 1
+
+
 def _tokens(usage: Any, name: str) -> int:
     value = usage.get(name) if isinstance(usage, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        return 0
+    if value > MAX_TOKEN_COUNT:
+        raise ValidationFailed(f"vendor.response.usage.{name} is {value}; the ledger stores "
+                               f"token counts up to {MAX_TOKEN_COUNT}", code="invalid_envelope")
+    return value
 
 
 def vendor_index_fields(statement: VendorEnvelopeStatement) -> IndexFields:

@@ -11,7 +11,8 @@ Only for values that cannot fail differently in binary: the elements must alread
 the type (``str`` for text, ``bytes`` for bytea, aware ``datetime`` for timestamptz),
 and text must hold no NUL character (text format refuses one in psycopg, binary in the
 server: other errors). Lists of integers stay plain lists (their range is PostgreSQL's to
-refuse, as before), and so does text taken from a payload unchecked (a model name).
+refuse, as before: the envelope's validation keeps them in range), and so does the model
+name (text from the payload; its validation refuses a NUL).
 """
 
 from __future__ import annotations

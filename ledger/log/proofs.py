@@ -595,7 +595,7 @@ class BundleProofs:
         self.memo: dict[tuple[int, int], bytes] = {}  # this export's subtree hashes
         self._full = self.size >> TILE_HEIGHT  # level-0 tiles that are full
         self._ahead: dict[int, tuple[bytes, bytes | None]] = {}
-        self._tile = -1
+        self._tile: int | None = None   # no index is in tile None (-1 is: -256..-1)
         self._used = 0
         self._dense = False
         self._all = b""
@@ -655,7 +655,7 @@ class BundleProofs:
     def _enter(self, tile: int) -> None:
         """Make ``tile`` the current one: read (and kept as :meth:`record_suffix` assumes)
         only once every check passed."""
-        self._tile = -1
+        self._tile = None
         dense = self._used >= self.DENSE
         if tile not in self._ahead:
             want = [Tile(0, t) for t in range(tile, min(tile + self.PREFETCH, self._full))]
@@ -696,6 +696,7 @@ class BundleProofs:
             sibling = self._flat(base + ((pos >> j) ^ 1))
             h = node_hash(sibling, h) if (pos >> j) & 1 else node_hash(h, sibling)
         if h != self._hash:
+            assert self._tile is not None, "checked inside the current tile"
             first = self._tile << TILE_HEIGHT
             raise StoredTreeMismatch(
                 f"the stored subtree hashes of entries {first}..{first + TILE_WIDTH - 1} do "

@@ -228,6 +228,13 @@ BAD_INPUTS: dict[str, tuple[Callable[[ApiServer], bytes], int, str]] = {
     "NUL in an engine flag's name": (_mutate_statement(_set("predicate.runtime.engine_flags",
                                                             {"a\x00b": 1})), 422,
                                      "invalid_envelope"),
+    # integers of a runtime are I-JSON safe: beyond, the fingerprint cannot be computed
+    "huge integer in a runtime extra": (_mutate_statement(_set("predicate.runtime.gpu_mem",
+                                                               2**60)), 422,
+                                        "invalid_envelope"),
+    "huge integer in an engine flag": (_mutate_statement(_set("predicate.runtime.engine_flags",
+                                                              {"x": 2**60})), 422,
+                                       "invalid_envelope"),
     "payload over size limit": (lambda api: b'{"payload":"' + b"A" * (5 * 1024 * 1024)
                                 + b'"}', 413, "too_large"),
 }

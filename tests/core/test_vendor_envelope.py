@@ -117,3 +117,15 @@ def test_the_published_v2_schema_accepts_a_vendor_statement() -> None:
     schema = vendor_envelope_json_schema()
     Draft202012Validator.check_schema(schema)
     Draft202012Validator(schema).validate(vendor_statement())
+
+
+def test_a_token_count_the_ledger_cannot_store_is_refused_as_invalid() -> None:
+    """usage counts go to integer columns: one past 2**31 - 1 is the envelope's 422, not
+    a database error (a 500) when it is stored."""
+    big = copy.deepcopy(RESPONSE)
+    big["usage"]["prompt_tokens"] = 2**31
+    st = parse_statement(canonical_json(vendor_statement(
+        response=big, response_body=json.dumps(big).encode())))
+    with pytest.raises(ValidationFailed) as exc:
+        index_fields(st)
+    assert exc.value.code == "invalid_envelope" and "prompt_tokens" in exc.value.message

@@ -459,3 +459,17 @@ def test_a_planted_old_checkpoint_is_refused_by_the_quick_consistency_proof(
     with pytest.raises(StoredTreeMismatch):
         consistency(log, 301)
     assert consistency(log, 302)["old_root_hash"] is None  # its neighbours still served
+
+
+@pytest.mark.parametrize("index", [-1, -256, -257])
+def test_an_exports_proof_of_a_negative_index_is_a_range_error(log: Log, index: int) -> None:
+    """An index below 0 (a row an insider stored) is refused by its range, also as the
+    first index asked for (tile -1 was the 'no tile yet' marker)."""
+    from ledger.core.errors import TreeRangeError
+    from ledger.log.store import latest_checkpoint
+
+    with psycopg.connect(log.pg) as conn, conn.cursor(binary=True) as cur:
+        cp = latest_checkpoint(cur)
+        assert cp is not None
+        with pytest.raises(TreeRangeError):
+            proofs.BundleProofs(cur, cp).record_suffix(index)

@@ -156,8 +156,9 @@ async def in_ingest_thread(app: Any, fn: Callable[..., T], /, *args: Any, **kwar
     awaited: an asyncio executor hop, which costs about half the CPU of Starlette's
     ``run_in_threadpool`` (anyio's capacity limiter, cancel scope and backend lookups:
     80-125 us a hop against 38-72 on the 2-core VM, 1 and 8 at once). Unlike anyio's, a
-    cancelled caller does not wait for the thread: the work still runs to its end (what
-    it stores is committed), only its answer is dropped."""
+    cancelled caller does not wait for the thread: work a thread has started runs to its
+    end (what it stores is committed) and only its answer is dropped; work still queued
+    is cancelled and never runs (nothing of it is stored)."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(app.state.ingest_threads,
                                       partial(fn, *args, **kwargs))
