@@ -452,7 +452,7 @@ TILE_PATHS = TilePaths()
 def _flat_node(flat: bytes, j: int, k: int) -> bytes:
     """Node ``k`` at in-tile level ``j`` (0: the tile's hashes) of a full tile laid flat
     (its 256 hashes, then :func:`tile_nodes`)."""
-    at = (k if j == 0 else 2 * TILE_WIDTH - (2 * TILE_WIDTH >> j) + k) * HASH_SIZE
+    at = k * HASH_SIZE if j == 0 else TILE_WIDTH * HASH_SIZE + tile_node_offset(j, k)
     return flat[at:at + HASH_SIZE]
 
 
