@@ -96,6 +96,42 @@ def test_concurrent_requests_get_the_same_answers_as_alone(engine_server: Proces
     assert together == alone
 
 
+def test_a_stream_sends_each_token_as_it_is_made(engine_server: Process) -> None:
+    """The first chunk comes while the request is still generating (long before the
+    last), and a stream of two prompts, one ended by a stop string, adds up per choice to
+    the whole answer (choices interleave as the engine makes them)."""
+    import time
+
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 400, "ignore_eos": True,
+            "temperature": 0.0, "stream": True}
+    arrived: list[float] = []
+    start = time.perf_counter()
+    with httpx.stream("POST", engine_server.base_url + "/v1/completions", json=body,
+                      timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                arrived.append(time.perf_counter() - start)
+    assert len(arrived) == 400
+    assert arrived[0] < 0.5 * arrived[-1], (arrived[0], arrived[-1])
+
+    two = {"model": MODEL, "prompt": ["Once upon", "Hello there"], "max_tokens": 24,
+           "temperature": 0.0, "ignore_eos": True, "return_token_ids": True, "logprobs": 1}
+    whole = post(engine_server, "/v1/completions", two).json()["choices"]
+    stop = whole[1]["text"][5:7]                   # ends choice 1 early in both answers
+    two["stop"] = [stop]
+    whole = post(engine_server, "/v1/completions", two).json()["choices"]
+    assert whole[1]["finish_reason"] == "stop" and whole[1]["stop_reason"] == stop
+    docs = stream_docs(engine_server, "/v1/completions", two)
+    for i, choice in enumerate(whole):
+        mine = [d["choices"][0] for d in docs if d["choices"][0]["index"] == i]
+        assert "".join(c["text"] for c in mine) == choice["text"]
+        assert [t for c in mine for t in c["token_ids"]] == choice["token_ids"]
+        assert [c["finish_reason"] for c in mine] == [None] * (len(mine) - 1) + [
+            choice["finish_reason"]]
+        assert mine[-1]["stop_reason"] == choice["stop_reason"]
+
+
 # Members, in order, that vLLM 0.25.0 writes (completion/protocol.py:520-594,
 # chat_completion/protocol.py:58-166: bodies are ``model_dump()``, chunks
 # ``model_dump_json(exclude_unset=True)``, the usage chunk also ``exclude_none=True``).
@@ -215,3 +251,47 @@ def test_stop_string_truncates_text_and_tokens() -> None:
     kept = _choice(list(b"abXYcd"), ["XY"], include=True)
     assert kept.text == "abXY"
     assert _choice(list(b"abc"), ["zz"]).finish_reason == "length"
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request() -> None:
+    """In process (to see the batcher): a stream of 900 tokens whose client closes the
+    connection after two chunks is aborted (its slot freed at its next token), long
+    before it would have finished; the server goes on answering."""
+    import threading
+    import time
+
+    import uvicorn
+
+    from tests.helpers import free_port
+    from workers.engine import load_engine
+    from workers.serve.app import create_app
+
+    app = create_app(load_engine("tiny-demo"), served_model_name=MODEL,
+                     tokenizer=ByteTokenizer(), max_batch=2)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 900,
+                "ignore_eos": True, "temperature": 0.0, "stream": True}
+        batcher = app.state.batcher
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: {")
+        left = time.monotonic()
+        while batcher.aborts < 1:
+            assert time.monotonic() - left < 10, "the request was not aborted"
+            time.sleep(0.01)
+        assert batcher.requests == 1          # it finished: as aborted, not at 900 tokens
+        short = httpx.post(url, json={**body, "stream": False, "max_tokens": 3}, timeout=60)
+        assert short.status_code == 200 and short.json()["choices"][0]["text"]
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -214,3 +214,86 @@ def test_serve_batcher_admits_by_arrival() -> None:
         batcher.close()
     assert batcher.max_running == 2
     assert signature(got_short) == solo["short"] and signature(got_long) == solo["long"]
+
+
+
+def _heard(target: Any, request: GenerationRequest) -> tuple[Any, list[tuple[Any, ...]],
+                                                             list[float], bool]:
+    """Run ``request`` alone through an EngineBatcher on ``target`` with a listener: the
+    result, what the listener heard, when (seconds from the submit), and whether the future
+    resolved before the last token was heard."""
+    import time
+
+    from workers.serve.batcher import EngineBatcher
+
+    heard: list[tuple[Any, ...]] = []
+    when: list[float] = []
+    early: list[bool] = []
+    batcher = EngineBatcher(target, max_batch=2)
+    try:
+        start = time.perf_counter()
+        future = batcher.submit(request, on_token=lambda *token: (
+            heard.append(token), when.append(time.perf_counter() - start)))
+        future.add_done_callback(
+            lambda _: early.append(len(heard) < request.sampling.max_tokens))
+        result = future.result(timeout=120)
+    finally:
+        batcher.close()
+    return result, heard, when, early == [True]
+
+
+def test_serve_batcher_tells_each_token_as_it_is_sampled() -> None:
+    """A stream's source: ``on_token`` hears a request's tokens while it still runs (the
+    first in the first half of the run), each with its logprob and top logprobs, the
+    finish reason on the last only, all before the future resolves, and they are the
+    result's. An engine without a continuous batcher (as the vLLM adapter) tells them
+    all at once when its batch is done."""
+    engine = load_engine("tiny-demo")
+    request = GenerationRequest("s", tuple(range(12)),
+                                SamplingParams(max_tokens=120, ignore_eos=True, logprobs=2))
+
+    class WholeBatches:               # the reference engine, seen through generate only
+        def __init__(self) -> None:
+            self.generate = engine.generate
+
+    for target, continuous in ((engine, True), (WholeBatches(), False)):
+        result, heard, when, early = _heard(target, request)
+        assert not early, "the future resolved before its last token was told"
+        assert [h[0] for h in heard] == result.token_ids
+        assert [h[1] for h in heard] == result.logprobs
+        assert [h[2] for h in heard] == result.top_logprobs
+        assert [h[3] for h in heard] == [None] * 119 + [result.finish_reason]
+        assert (when[0] < 0.5 * when[-1]) is continuous, (when[0], when[-1])
+
+
+def test_serve_batcher_aborts_a_request_whose_client_left() -> None:
+    """``abort``: a running request leaves the batch at its next token (finish reason
+    "abort", fewer tokens than asked), one still waiting for a slot never runs; the
+    batcher goes on, and the next request's answer equals its solo run."""
+    import threading
+
+    from workers.serve.batcher import EngineBatcher
+
+    engine = load_engine("tiny-demo")
+    long = GenerationRequest("long", tuple(range(10)),
+                             SamplingParams(max_tokens=600, ignore_eos=True))
+    queued = GenerationRequest("queued", tuple(range(5)),
+                               SamplingParams(max_tokens=600, ignore_eos=True))
+    after = GenerationRequest("after", tuple(range(40, 60)),
+                              SamplingParams(max_tokens=20, ignore_eos=True, logprobs=1))
+    solo = signature(engine.generate([after], max_batch=1)[0])
+    batcher = EngineBatcher(engine, max_batch=1)
+    try:
+        started = threading.Event()
+        f_long = batcher.submit(long, on_token=lambda *_: started.set())
+        assert started.wait(60)
+        f_queued = batcher.submit(queued)
+        batcher.abort(f_queued)
+        batcher.abort(f_long)
+        got = f_long.result(timeout=60)
+        assert got.finish_reason == "abort" and 0 < len(got.token_ids) < 600
+        assert f_queued.cancelled() or (f_queued.result(timeout=60).finish_reason == "abort"
+                                        and f_queued.result().token_ids == [])
+        assert signature(batcher.submit(after).result(timeout=60)) == solo
+    finally:
+        batcher.close()

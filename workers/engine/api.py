@@ -7,9 +7,15 @@ and the envelope's ``predicate.sampling`` object one to one.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+#: Told each token of one request as soon as it is sampled (a stream's source), on the
+#: thread that runs the engine: ``(token_id, logprob, top logprobs or None, finish_reason)``,
+#: ``finish_reason`` None while more follow, else "stop", "length" or "abort" (the last). The
+#: logits digests come with the finished result only.
+TokenListener = Callable[[int, float, list[tuple[int, float]] | None, str | None], None]
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,7 @@ class GenerationRequest:
 class GenerationResult:
     id: str
     token_ids: list[int]
-    finish_reason: str                                 # "stop" | "length"
+    finish_reason: str                                 # "stop" | "length" | "abort"
     logprobs: list[float]                              # chosen token, per step (fp32 value)
     top_logprobs: list[list[tuple[int, float]]] | None  # per step, best first; None if not asked
     logits_sha256: list[str]                           # SHA-256 of the fp32 logits row, per step

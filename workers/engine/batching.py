@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from workers.engine import ops
-from workers.engine.api import GenerationRequest, GenerationResult
+from workers.engine.api import GenerationRequest, GenerationResult, TokenListener
 from workers.engine.digests import CpuDigester, CudaDigester, hashing_threads
 from workers.engine.model import prefill
 from workers.engine.sampling import BatchSampler
@@ -80,6 +80,8 @@ class _Sequence:
     digests: list[tuple[_StepDigests, int]] = field(default_factory=list)
     first_token_s: float | None = None     # perf_counter when the first token was known
     token_times: list[float] = field(default_factory=list)   # perf_counter per token
+    on_token: TokenListener | None = None
+    aborted: bool = False                  # leaves at its next token ("abort")
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -143,8 +145,9 @@ class ContinuousBatcher:
             self._digester = CpuDigester(pool)
 
     # ------------------------------------------------------------------ public
-    def add(self, request: GenerationRequest) -> int:
-        """Queue a request (validated now: ``ValueError``); returns its ticket."""
+    def add(self, request: GenerationRequest, on_token: TokenListener | None = None) -> int:
+        """Queue a request (validated now: ``ValueError``); returns its ticket. ``on_token``
+        hears each of its tokens the step it is sampled (a stream's source)."""
         budget = self.engine._budget(request)
         ticket = self._tickets
         self._tickets += 1
@@ -153,12 +156,27 @@ class ContinuousBatcher:
             top_logprobs=[] if request.sampling.logprobs else None, logits_sha256=[]),
             arrived_step=self.steps,
             stops=frozenset(request.sampling.stop_token_ids)
-            | (frozenset() if request.sampling.ignore_eos else self._eos))
+            | (frozenset() if request.sampling.ignore_eos else self._eos), on_token=on_token)
         if budget == 0:
             self._done.append(Finished(ticket, seq.result, None))
         else:
             self._waiting.append(seq)
         return ticket
+
+    def abort(self, ticket: int) -> None:
+        """Stop a request (its client went away): a waiting one finishes now with no
+        tokens, a running one at its next sampled token (in a step the batch runs anyway);
+        either way its result, finish reason "abort", comes out of :meth:`take_finished`.
+        An unknown or finished ticket is ignored."""
+        for seq in self._waiting:
+            if seq.ticket == ticket:
+                self._waiting.remove(seq)
+                seq.result.finish_reason = "abort"
+                self._done.append(Finished(ticket, seq.result, None))
+                return
+        for seq in self._active:
+            if seq.ticket == ticket:
+                seq.aborted = True
 
     @property
     def idle(self) -> bool:
@@ -337,7 +355,7 @@ class ContinuousBatcher:
 
         finished = [slot for slot, seq, token, n in zip(rows, seqs, token_ids, steps,
                                                         strict=True)
-                    if token in seq.stops or n + 1 >= seq.budget]
+                    if token in seq.stops or n + 1 >= seq.budget or seq.aborted]
         fast = whole and feed is not None
         if fast:
             # Launch the next step before the host bookkeeping below (which it overlaps on
@@ -365,12 +383,18 @@ class ContinuousBatcher:
             if seq.first_token_s is None:
                 seq.first_token_s = now
             seq.token_times.append(now)
-            if token in seq.stops:
+            last = True
+            if seq.aborted:
+                result.finish_reason = "abort"
+            elif token in seq.stops:
                 result.finish_reason = "stop"
             elif len(result.token_ids) >= seq.budget:
                 result.finish_reason = "length"
             else:
-                seq.next_token = token
+                seq.next_token, last = token, False
+            if seq.on_token is not None:
+                seq.on_token(token, lp, top[r] if result.top_logprobs is not None and top
+                             is not None else None, result.finish_reason if last else None)
         if not fast:
             if finished:
                 self._retire(finished)

@@ -7,15 +7,19 @@ Routes (as vLLM's server): ``POST /v1/completions``, ``POST /v1/chat/completions
 
 Requests go through :class:`EngineBatcher`: continuous batching, admission by arrival
 (a request joins the running batch at the next engine step and leaves at the step it
-finishes). A streamed response is produced after its request finished generating, then
-sent one chunk per token in vLLM's shapes.
+finishes). A streamed response sends each token's chunk (vLLM's shapes) as soon as the
+engine step that sampled it ends; it starts with the first token, so a request the engine
+refuses still gets the whole answer's error body. A client that goes away mid-stream
+aborts its request: it leaves the running batch at its next token, as in vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -24,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from workers.engine.api import Engine
+from workers.engine.api import Engine, GenerationResult, TokenListener
 from workers.serve import openai_api as oa
 from workers.serve.batcher import EngineBatcher
 from workers.serve.tokenizer import ByteTokenizer
@@ -45,6 +49,35 @@ def _closing(batcher: EngineBatcher) -> Any:
 
 
 SSE_MEDIA_TYPE = "text/event-stream; charset=utf-8"
+
+
+def _failure(exc: BaseException) -> oa.RequestError:
+    """What a client is told when the engine refuses (``ValueError``: 400) or fails (500,
+    as vLLM answers)."""
+    if isinstance(exc, ValueError):
+        return oa.RequestError(str(exc))
+    return oa.RequestError(f"engine failure: {type(exc).__name__}: {exc}", status=500,
+                           kind="InternalServerError")
+
+
+class _Tokens:
+    """The tokens of one request's choices as the engine makes them, handed from the
+    batcher's thread to the event loop: ``("token", i, token_id, logprob, top, finish)``
+    for each, then ``("done", i, future)`` once choice ``i`` finished (or failed)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+
+    def _put(self, event: tuple[Any, ...]) -> None:
+        with contextlib.suppress(RuntimeError):    # a closed loop: nobody is listening
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+    def listener(self, i: int) -> TokenListener:
+        return lambda *token: self._put(("token", i, *token))
+
+    def watch(self, i: int, future: Future[GenerationResult]) -> None:
+        future.add_done_callback(lambda f: self._put(("done", i, f)))
 
 
 class _JSON(Response):
@@ -89,19 +122,53 @@ def create_app(engine: Engine, *, served_model_name: str, tokenizer: ByteTokeniz
         futures = [asyncio.wrap_future(batcher.submit(r)) for r in parsed.engine_requests()]
         try:
             results = await asyncio.gather(*futures)
-        except ValueError as exc:
-            raise oa.RequestError(str(exc)) from None
-        except Exception as exc:             # the engine failed: vLLM answers 500 too
-            raise oa.RequestError(f"engine failure: {type(exc).__name__}: {exc}", status=500,
-                                  kind="InternalServerError") from exc
+        except Exception as exc:
+            raise _failure(exc) from exc
         return [oa.finish_text(result, sampling, parsed, tokenizer)
                 for result, sampling in zip(results, parsed.sampling, strict=True)]
 
-    def stream(events: Iterator[str]) -> StreamingResponse:
-        async def encoded() -> AsyncIterator[bytes]:
-            for event in events:
-                yield event.encode("utf-8")
-        return StreamingResponse(encoded(), media_type=SSE_MEDIA_TYPE)
+    async def stream(parsed: oa.Parsed) -> Response:
+        """Chunks as the tokens come; the response begins with the first token (or is the
+        error body, if the engine refused or failed before it)."""
+        tokens = _Tokens(asyncio.get_running_loop())
+        futures = [batcher.submit(request, on_token=tokens.listener(i))
+                   for i, request in enumerate(parsed.engine_requests())]
+        for i, future in enumerate(futures):
+            tokens.watch(i, future)
+
+        def abort() -> None:                  # the client is gone, or the answer failed
+            for future in futures:
+                batcher.abort(future)
+        try:
+            first = await tokens.queue.get()
+        except BaseException:
+            abort()
+            raise
+        if first[0] == "done" and first[2].exception() is not None:
+            abort()
+            return _error(_failure(first[2].exception()))
+        chunks = oa.StreamChunks(parsed, tokenizer, oa.now(),
+                                 system_fingerprint=system_fingerprint)
+
+        async def events() -> AsyncIterator[bytes]:
+            out, event, running = chunks.start(), first, len(parsed.sampling)
+            try:
+                while True:
+                    if event[0] == "token":
+                        out += chunks.token(*event[1:])
+                    elif (exc := event[2].exception()) is not None:
+                        out, running = out + chunks.error(_failure(exc)), 0
+                    else:
+                        running -= 1
+                        out += [] if running else chunks.end()
+                    for text in out:
+                        yield text.encode("utf-8")
+                    if not running:
+                        return
+                    out, event = [], await tokens.queue.get()
+            finally:
+                abort()
+        return StreamingResponse(events(), media_type=SSE_MEDIA_TYPE)
 
     async def completions(request: Request) -> Response:
         try:
@@ -109,14 +176,12 @@ def create_app(engine: Engine, *, served_model_name: str, tokenizer: ByteTokeniz
                 await body_of(request), served_model=served_model_name, tokenizer=tokenizer,
                 vocab_size=vocab_size, max_model_len=max_model_len,
                 request_id_header=request.headers.get("x-request-id"))
+            if parsed.stream:
+                return await stream(parsed)
             choices = await generate(parsed)
         except oa.RequestError as exc:
             return _error(exc)
-        created = oa.now()
-        if parsed.stream:
-            return stream(oa.completion_chunks(parsed, choices, tokenizer, created,
-                                               system_fingerprint=system_fingerprint))
-        return _JSON(oa.completion_response(parsed, choices, tokenizer, created,
+        return _JSON(oa.completion_response(parsed, choices, tokenizer, oa.now(),
                                             system_fingerprint=system_fingerprint))
 
     async def chat(request: Request) -> Response:
@@ -125,14 +190,12 @@ def create_app(engine: Engine, *, served_model_name: str, tokenizer: ByteTokeniz
                 await body_of(request), served_model=served_model_name, tokenizer=tokenizer,
                 vocab_size=vocab_size, max_model_len=max_model_len,
                 request_id_header=request.headers.get("x-request-id"))
+            if parsed.stream:
+                return await stream(parsed)
             (choice,) = await generate(parsed)
         except oa.RequestError as exc:
             return _error(exc)
-        created = oa.now()
-        if parsed.stream:
-            return stream(oa.chat_chunks(parsed, choice, tokenizer, created,
-                                         system_fingerprint=system_fingerprint))
-        return _JSON(oa.chat_response(parsed, choice, tokenizer, created,
+        return _JSON(oa.chat_response(parsed, choice, tokenizer, oa.now(),
                                       system_fingerprint=system_fingerprint))
 
     async def models(_: Request) -> Response:

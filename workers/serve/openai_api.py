@@ -43,7 +43,7 @@ import json
 import secrets
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -379,41 +379,88 @@ class ChoiceText:
 def finish_text(result: GenerationResult, sampling: SamplingParams, parsed: Parsed,
                 tokenizer: ByteTokenizer | None) -> ChoiceText:
     """Detokenise, apply stop strings (truncating after the completing token), and split
-    the text into stream deltas the way vLLM's incremental detokenizer emits them."""
-    ids, lps, tops = list(result.token_ids), list(result.logprobs), result.top_logprobs
-    finish = result.finish_reason
-    stop_reason: int | str | None = None
-    if finish == "stop" and ids and ids[-1] in sampling.stop_token_ids:
-        stop_reason = ids[-1]
-    if tokenizer is None:
-        return ChoiceText(ids, lps, tops, finish, stop_reason, "", [""] * len(ids))
-    decoder = IncrementalDecoder(tokenizer)
-    longest = max((len(s) for s in parsed.stop), default=0)
-    holdback = longest - 1 if longest and not parsed.include_stop_str else 0
-    text, emitted, deltas = "", 0, []
+    the text into stream deltas the way vLLM's incremental detokenizer emits them (a
+    :class:`TextBuilder` fed the whole result)."""
+    builder = TextBuilder(sampling, parsed, tokenizer)
+    ids, n = result.token_ids, len(result.token_ids)
     for j, token in enumerate(ids):
-        if tokenizer.token_bytes(token) or parsed.skip_special_tokens:
+        top = result.top_logprobs[j] if result.top_logprobs is not None else None
+        if builder.add(token, result.logprobs[j], top,
+                       result.finish_reason if j == n - 1 else None) is None:
+            break                              # a stop string ended it
+    choice = builder.choice
+    if not n:
+        choice.finish_reason = result.finish_reason
+    if choice.top_logprobs is None and result.top_logprobs is not None:
+        choice.top_logprobs = []
+    return choice
+
+
+class TextBuilder:
+    """One choice's text, a token at a time, as a stream needs it: :meth:`add` each token
+    as the engine makes it and send the delta it returns. ``choice`` is everything so far
+    (the :class:`ChoiceText` :func:`finish_text` gives once the last token is in); ``done``
+    once the last token came or a stop string ended the text (the tokens after the one
+    that completed it are dropped, as the whole answer drops them)."""
+
+    def __init__(self, sampling: SamplingParams, parsed: Parsed,
+                 tokenizer: ByteTokenizer | None) -> None:
+        self.sampling, self.parsed, self.tokenizer = sampling, parsed, tokenizer
+        self.choice = ChoiceText([], [], None, "length", None, "", [])
+        self.done = False
+        self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self._longest = max((len(s) for s in parsed.stop), default=0)
+        self._holdback = (self._longest - 1 if self._longest and not parsed.include_stop_str
+                          else 0)
+        self._emitted = 0
+
+    def add(self, token: int, logprob: float, top: list[tuple[int, float]] | None,
+            finish: str | None) -> str | None:
+        """Take the next token (``finish``: its finish reason if it is the last, else
+        None); the text delta it releases, or None when the choice had already ended."""
+        if self.done:
+            return None
+        c = self.choice
+        c.token_ids.append(token)
+        c.logprobs.append(logprob)
+        if top is not None:
+            if c.top_logprobs is None:
+                c.top_logprobs = []
+            c.top_logprobs.append(top)
+        last = finish is not None
+        if finish is not None:
+            self.done, c.finish_reason = True, finish
+            if finish == "stop" and token in self.sampling.stop_token_ids:
+                c.stop_reason = token
+        if self._decoder is None:
+            c.deltas.append("")
+            return ""
+        return self._text(token, last)
+
+    def _text(self, token: int, last: bool) -> str:
+        c, parsed, decoder = self.choice, self.parsed, self._decoder
+        assert decoder is not None and self.tokenizer is not None
+        if self.tokenizer.token_bytes(token) or parsed.skip_special_tokens:
             piece = decoder.step(token)
         else:
-            piece = decoder.flush() + tokenizer.token_text(token)
-        last = j == len(ids) - 1
+            piece = decoder.flush() + self.tokenizer.token_text(token)
         if last:
             piece += decoder.flush()
-        searched_from = max(0, len(text) - longest + 1)
-        text += piece
-        hit = _find_stop(text, parsed.stop, searched_from)
+        searched_from = max(0, len(c.text) - self._longest + 1)
+        c.text += piece
+        hit = _find_stop(c.text, parsed.stop, searched_from)
         if hit is not None:
             position, stop = hit
-            text = text[:position + len(stop)] if parsed.include_stop_str else text[:position]
-            ids, lps = ids[:j + 1], lps[:j + 1]
-            tops = tops[:j + 1] if tops is not None else None
-            finish, stop_reason = "stop", stop
-            deltas.append(text[emitted:])
-            break
-        visible = len(text) if last else max(emitted, len(text) - holdback)
-        deltas.append(text[emitted:visible])
-        emitted = visible
-    return ChoiceText(ids, lps, tops, finish, stop_reason, text, deltas)
+            c.text = c.text[:position + len(stop)] if parsed.include_stop_str \
+                else c.text[:position]
+            c.finish_reason, c.stop_reason, self.done = "stop", stop, True
+            delta = c.text[self._emitted:]
+        else:
+            visible = len(c.text) if last else max(self._emitted, len(c.text) - self._holdback)
+            delta = c.text[self._emitted:visible]
+            self._emitted = visible
+        c.deltas.append(delta)
+        return delta
 
 
 def _find_stop(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
@@ -566,77 +613,98 @@ def _usage_chunk(head: dict[str, Any], usage: dict[str, Any],
     return _sse(chunk)
 
 
-def completion_chunks(parsed: Parsed, choices: Sequence[ChoiceText],
-                      tokenizer: ByteTokenizer | None, created: int, *,
-                      system_fingerprint: str | None = None) -> Iterator[str]:
-    """SSE events of a streamed completion: one chunk per token, then usage, then [DONE]
-    (vLLM 0.25: completion/serving.py:282-497)."""
-    head = {"id": parsed.request_id, "object": "text_completion", "created": created,
-            "model": parsed.model}
-    for i, (prompt, c) in enumerate(zip(parsed.prompts, choices, strict=True)):
-        text_offset = 0
-        for j, delta in enumerate(c.deltas):
-            last = j == len(c.deltas) - 1
-            chunk: dict[str, Any] = {**head, "choices": [{
-                "index": i, "text": delta,
-                "logprobs": (_completion_logprobs(c, j, j + 1, parsed, tokenizer, text_offset)
-                             if parsed.logprobs is not None else None),
-                "finish_reason": c.finish_reason if last else None,
-                "stop_reason": c.stop_reason if last else None,
-                "prompt_token_ids": list(prompt) if parsed.return_token_ids and j == 0
-                else None,
-                "token_ids": [c.token_ids[j]] if parsed.return_token_ids else None,
-            }]}
-            text_offset += len(delta)
-            if parsed.continuous_usage:
-                chunk["usage"] = _usage(len(prompt), j + 1, whole=False)
-            if last and not parsed.include_usage and system_fingerprint is not None:
-                chunk["system_fingerprint"] = system_fingerprint
-            yield _sse(chunk)
-    if parsed.include_usage:
-        yield _usage_chunk(head, _usage(sum(len(p) for p in parsed.prompts),
-                                        sum(len(c.token_ids) for c in choices), whole=False),
-                           system_fingerprint)
-    yield "data: [DONE]\n\n"
+class StreamChunks:
+    """The SSE events of one streamed request, made as its tokens come: :meth:`start`,
+    then :meth:`token` for each token the engine makes (choices interleaved, each in its
+    own order), then :meth:`end`. vLLM 0.25's shapes: a completion sends one chunk per
+    token, then usage, then [DONE] (completion/serving.py:282-497); a chat first sends
+    the role chunk (with prompt_token_ids and prompt_text; chat_completion/serving.py:
+    408-824). Each choice's text follows :class:`TextBuilder` (stop strings, held-back
+    text); a choice's last chunk has its ``finish_reason``."""
 
+    def __init__(self, parsed: Parsed, tokenizer: ByteTokenizer | None, created: int, *,
+                 system_fingerprint: str | None = None) -> None:
+        self.parsed, self.tokenizer = parsed, tokenizer
+        self.system_fingerprint = system_fingerprint
+        self.builders = [TextBuilder(s, parsed, tokenizer) for s in parsed.sampling]
+        self._offsets = [0] * len(self.builders)
+        self.head = {"id": parsed.request_id,
+                     "object": ("chat.completion.chunk" if parsed.kind == "chat"
+                                else "text_completion"),
+                     "created": created, "model": parsed.model}
 
-def chat_chunks(parsed: Parsed, choice: ChoiceText, tokenizer: ByteTokenizer | None,
-                created: int, *, system_fingerprint: str | None = None) -> Iterator[str]:
-    """SSE events of a streamed chat completion: the role chunk (with prompt_token_ids
-    and prompt_text), one chunk per token, then usage, then [DONE] (vLLM 0.25:
-    chat_completion/serving.py:408-824)."""
-    prompt = parsed.prompts[0]
-    head = {"id": parsed.request_id, "object": "chat.completion.chunk", "created": created,
-            "model": parsed.model}
-    first: dict[str, Any] = {**head, "choices": [{
-        "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-        "finish_reason": None}]}
-    if parsed.continuous_usage:
-        first["usage"] = _usage(len(prompt), 0, whole=False)
-    first["prompt_token_ids"] = list(prompt) if parsed.return_token_ids else None
-    first["prompt_text"] = None                     # set (to None) unless return_prompt_text
-    yield _sse(first)
-    for j, delta in enumerate(choice.deltas):
-        last = j == len(choice.deltas) - 1
-        body: dict[str, Any] = {
-            "index": 0, "delta": {"content": delta},
-            "logprobs": (_chat_logprobs(choice, j, j + 1, parsed, tokenizer)
+    def start(self) -> list[str]:
+        parsed = self.parsed
+        if parsed.kind != "chat":
+            return []
+        first: dict[str, Any] = {**self.head, "choices": [{
+            "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+            "finish_reason": None}]}
+        if parsed.continuous_usage:
+            first["usage"] = _usage(len(parsed.prompts[0]), 0, whole=False)
+        first["prompt_token_ids"] = list(parsed.prompts[0]) if parsed.return_token_ids \
+            else None
+        first["prompt_text"] = None                 # set (to None) unless return_prompt_text
+        return [_sse(first)]
+
+    def token(self, i: int, token: int, logprob: float,
+              top: list[tuple[int, float]] | None, finish: str | None) -> list[str]:
+        """The chunk of choice ``i``'s next token (none once a stop string ended it)."""
+        builder = self.builders[i]
+        delta = builder.add(token, logprob, top, finish)
+        if delta is None:
+            return []
+        c, j, last = builder.choice, len(builder.choice.deltas) - 1, builder.done
+        chunk = (self._chat(c, j, last) if self.parsed.kind == "chat"
+                 else self._completion(i, c, j, last))
+        self._offsets[i] += len(delta)
+        if self.parsed.continuous_usage:
+            chunk["usage"] = _usage(len(self.parsed.prompts[i]), j + 1, whole=False)
+        if last and not self.parsed.include_usage and self.system_fingerprint is not None:
+            chunk["system_fingerprint"] = self.system_fingerprint
+        return [_sse(chunk)]
+
+    def _completion(self, i: int, c: ChoiceText, j: int, last: bool) -> dict[str, Any]:
+        parsed = self.parsed
+        return {**self.head, "choices": [{
+            "index": i, "text": c.deltas[j],
+            "logprobs": (_completion_logprobs(c, j, j + 1, parsed, self.tokenizer,
+                                              self._offsets[i])
                          if parsed.logprobs is not None else None),
-            "finish_reason": choice.finish_reason if last else None,
+            "finish_reason": c.finish_reason if last else None,
+            "stop_reason": c.stop_reason if last else None,
+            "prompt_token_ids": list(parsed.prompts[i]) if parsed.return_token_ids and j == 0
+            else None,
+            "token_ids": [c.token_ids[j]] if parsed.return_token_ids else None,
+        }]}
+
+    def _chat(self, c: ChoiceText, j: int, last: bool) -> dict[str, Any]:
+        parsed = self.parsed
+        body: dict[str, Any] = {
+            "index": 0, "delta": {"content": c.deltas[j]},
+            "logprobs": (_chat_logprobs(c, j, j + 1, parsed, self.tokenizer)
+                         if parsed.logprobs is not None else None),
+            "finish_reason": c.finish_reason if last else None,
         }
         if last:
-            body["stop_reason"] = choice.stop_reason
-        body["token_ids"] = [choice.token_ids[j]] if parsed.return_token_ids else None
-        chunk: dict[str, Any] = {**head, "choices": [body]}
-        if parsed.continuous_usage:
-            chunk["usage"] = _usage(len(prompt), j + 1, whole=False)
-        if last and not parsed.include_usage and system_fingerprint is not None:
-            chunk["system_fingerprint"] = system_fingerprint
-        yield _sse(chunk)
-    if parsed.include_usage:
-        yield _usage_chunk(head, _usage(len(prompt), len(choice.token_ids), whole=False),
-                           system_fingerprint)
-    yield "data: [DONE]\n\n"
+            body["stop_reason"] = c.stop_reason
+        body["token_ids"] = [c.token_ids[j]] if parsed.return_token_ids else None
+        return {**self.head, "choices": [body]}
+
+    def end(self) -> list[str]:
+        """The usage chunk (if asked for) and [DONE]."""
+        events = []
+        if self.parsed.include_usage:
+            events.append(_usage_chunk(self.head, _usage(
+                sum(len(p) for p in self.parsed.prompts),
+                sum(len(b.choice.token_ids) for b in self.builders), whole=False),
+                self.system_fingerprint))
+        return [*events, "data: [DONE]\n\n"]
+
+    @staticmethod
+    def error(exc: RequestError) -> list[str]:
+        """A failure after the stream began, as vLLM sends it: an error event, [DONE]."""
+        return [f"data: {dumps(exc.body())}\n\n", "data: [DONE]\n\n"]
 
 
 def now() -> int:
