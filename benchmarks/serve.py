@@ -23,6 +23,11 @@ Targets, each at every rate:
   shipped; with ``VLLM_BATCH_INVARIANT=1`` and the adapter's numerics flags, scheduler left
   at vLLM's defaults so it batches: the deterministic channel itself admits one sequence at
   a time, see docs/engine.md), measured over HTTP with streamed token-ID completions.
+* ``ledger-serve-bi`` (``--modes ...,serve``): our engine in batch-invariant mode behind
+  its OpenAI server (``workers.serve.app``, what ``ledger engine serve`` runs: the same
+  engine, batching, chunk and prefix cache as ``reference-bi``), in a child process and
+  measured over HTTP with streamed completions exactly as vLLM is: the same-footing
+  comparison (the in-process ``reference-*`` targets pay no HTTP, SSE or tokenisation).
 * ``http`` (``--url``): any OpenAI-compatible server already running, the same way.
 
 Per target and rate: completed requests, new tokens/s (all new tokens / time from the first
@@ -177,6 +182,48 @@ def run_http(url: str, model: str, vocab: int, args: argparse.Namespace, rate: f
     return summarize(target, rate, timings, {})
 
 
+def serve_child(args: argparse.Namespace) -> None:
+    """The ``ledger-serve-bi`` target's server (``--child-port``): make_engine's engine,
+    batch invariant, behind ``workers.serve.app`` on that port until terminated."""
+    import uvicorn
+
+    from workers.serve.app import create_app
+
+    engine = make_engine(args)
+    engine.batch_invariant = True
+    app = create_app(engine, served_model_name="bench", tokenizer=None,
+                     max_batch=args.max_batch, prefill_chunk=args.chunk)
+    uvicorn.run(app, host="127.0.0.1", port=args.child_port, log_level="warning",
+                access_log=False)
+
+
+def start_serve(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child-port", str(port),
+           "--device", args.device, "--max-batch", str(args.max_batch),
+           "--chunk", str(args.chunk), "--prefix-pages", str(args.prefix_pages)]
+    log(f"starting our server: {' '.join(cmd)}")
+    proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
+    _wait_healthy(proc, port, "our server")
+    return proc
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], port: int, what: str) -> None:
+    import httpx
+
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    proc.terminate()
+    raise RuntimeError(f"{what} did not become healthy in 900 s")
+
+
 def start_vllm(model: str, variant: str, port: int, args: argparse.Namespace
                ) -> subprocess.Popen[bytes]:
     from workers.engine.vllm_adapter import VLLM_ENV
@@ -195,20 +242,8 @@ def start_vllm(model: str, variant: str, port: int, args: argparse.Namespace
         env |= VLLM_ENV
     log(f"starting {' '.join(cmd)} ({variant})")
     proc = subprocess.Popen(cmd, env=env, stdout=sys.stderr, stderr=sys.stderr)
-    import httpx
-
-    deadline = time.time() + 900
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vllm serve exited with {proc.returncode}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    proc.terminate()
-    raise RuntimeError("vllm serve did not become healthy in 900 s")
+    _wait_healthy(proc, port, "vllm serve")
+    return proc
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -239,8 +274,10 @@ def main() -> None:
     parser.add_argument("--prefix-pages", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--modes", default="bi,default",
-                        help="reference engine modes: bi (batch invariant), default; "
-                             "'none' to measure only --url / --vllm-model")
+                        help="reference engine modes: bi (batch invariant), default (in "
+                             "process), serve (bi behind our HTTP server); 'none' to "
+                             "measure only --url / --vllm-model")
+    parser.add_argument("--child-port", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--url", default=None, help="also measure this running server")
     parser.add_argument("--url-model", default="tiny-demo")
     parser.add_argument("--vllm-model", default=None)
@@ -257,6 +294,9 @@ def main() -> None:
     args.prefix_pages = args.prefix_pages if args.prefix_pages is not None else \
         (4096 if gpu else 256)
     rates = [float(r) for r in args.rates.split(",")]
+    if args.child_port is not None:
+        serve_child(args)
+        return
 
     rows = []
     modes = [m for m in args.modes.split(",") if m in ("bi", "default")]
@@ -281,6 +321,16 @@ def main() -> None:
             import torch
 
             torch.cuda.empty_cache()
+    if "serve" in args.modes.split(","):
+        proc = start_serve(args, 8300)
+        try:
+            for rate in rates:
+                rows.append(run_http("http://127.0.0.1:8300", "bench", vocab, args, rate,
+                                     "ledger-serve-bi"))
+                log(json.dumps(rows[-1]))
+        finally:
+            proc.terminate()
+            proc.wait(60)
     if args.url:
         for rate in rates:
             rows.append(run_http(args.url, args.url_model, vocab, args, rate, "http"))
