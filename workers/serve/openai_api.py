@@ -1,9 +1,9 @@
 """OpenAI-compatible request parsing and response shapes, mirroring vLLM's server.
 
 Kept free of the HTTP framework: turn a request body into engine requests
-(:func:`parse_completion`, :func:`parse_chat`) and engine results into vLLM-shaped
-response objects and stream chunks (:class:`ChoiceText`, the ``*_response`` and
-``*_chunks`` functions).
+(:func:`parse_completion`, :func:`parse_chat`), engine results into vLLM-shaped response
+objects (:class:`ChoiceText`, the ``*_response`` functions), and tokens, as the engine
+makes them, into stream chunks (:class:`TextBuilder`, :class:`StreamChunks`).
 
 What is mirrored from vLLM's OpenAI server (``vllm/entrypoints/openai``), field for field:
 
