@@ -191,8 +191,9 @@ def serve_child(args: argparse.Namespace) -> None:
 
     engine = make_engine(args)
     engine.batch_invariant = True
+    kwargs = {} if args.switch_interval is None else {"switch_interval_s": args.switch_interval}
     app = create_app(engine, served_model_name="bench", tokenizer=None,
-                     max_batch=args.max_batch, prefill_chunk=args.chunk)
+                     max_batch=args.max_batch, prefill_chunk=args.chunk, **kwargs)
     uvicorn.run(app, host="127.0.0.1", port=args.child_port, log_level="warning",
                 access_log=False)
 
@@ -200,7 +201,9 @@ def serve_child(args: argparse.Namespace) -> None:
 def start_serve(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child-port", str(port),
            "--device", args.device, "--max-batch", str(args.max_batch),
-           "--chunk", str(args.chunk), "--prefix-pages", str(args.prefix_pages)]
+           "--chunk", str(args.chunk), "--prefix-pages", str(args.prefix_pages)] + (
+               [] if args.switch_interval is None else
+               ["--switch-interval", str(args.switch_interval)])
     log(f"starting our server: {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
     _wait_healthy(proc, port, "our server")
@@ -278,6 +281,9 @@ def main() -> None:
                              "process), serve (bi behind our HTTP server); 'none' to "
                              "measure only --url / --vllm-model")
     parser.add_argument("--child-port", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--switch-interval", type=float, default=None,
+                        help="serve: the server's thread switch interval, s (default: "
+                             "workers.serve.app.SWITCH_INTERVAL_S)")
     parser.add_argument("--url", default=None, help="also measure this running server")
     parser.add_argument("--url-model", default="tiny-demo")
     parser.add_argument("--vllm-model", default=None)
