@@ -24,8 +24,7 @@ Targets, each at every rate:
   at vLLM's defaults so it batches: the deterministic channel itself admits one sequence at
   a time, see docs/engine.md), measured over HTTP with streamed token-ID completions.
 * ``ledger-serve-bi`` (``--modes ...,serve``): our engine in batch-invariant mode behind
-  its OpenAI server (``workers.serve.app`` with the engine in a process of its own, or on
-  a thread of the server with ``--in-thread``; what ``ledger engine serve`` runs: the same
+  its OpenAI server (``workers.serve.app``, what ``ledger engine serve`` runs: the same
   engine, batching, chunk and prefix cache as ``reference-bi``), in a child process and
   measured over HTTP with streamed completions exactly as vLLM is: the same-footing
   comparison (the in-process ``reference-*`` targets pay no HTTP, SSE or tokenisation).
@@ -39,7 +38,6 @@ latency p95 (gaps between a request's consecutive tokens), prefix-cache hit shar
 from __future__ import annotations
 
 import argparse
-import functools
 import importlib.util
 import json
 import os
@@ -190,22 +188,14 @@ def serve_child(args: argparse.Namespace) -> None:
     import uvicorn
 
     from workers.serve.app import create_app
-    from workers.serve.engine_process import EngineProcess
 
+    engine = make_engine(args)
+    engine.batch_invariant = True
     kwargs = {} if args.switch_interval is None else {"switch_interval_s": args.switch_interval}
-    engine: Any = (_invariant_engine(args) if args.in_thread else EngineProcess(
-        functools.partial(_invariant_engine, args), max_batch=args.max_batch,
-        prefill_chunk=args.chunk))
     app = create_app(engine, served_model_name="bench", tokenizer=None,
                      max_batch=args.max_batch, prefill_chunk=args.chunk, **kwargs)
     uvicorn.run(app, host="127.0.0.1", port=args.child_port, log_level="warning",
                 access_log=False)
-
-
-def _invariant_engine(args: argparse.Namespace) -> Any:
-    engine = make_engine(args)
-    engine.batch_invariant = True
-    return engine
 
 
 def start_serve(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
@@ -213,8 +203,7 @@ def start_serve(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
            "--device", args.device, "--max-batch", str(args.max_batch),
            "--chunk", str(args.chunk), "--prefix-pages", str(args.prefix_pages)] + (
                [] if args.switch_interval is None else
-               ["--switch-interval", str(args.switch_interval)]) + (
-               ["--in-thread"] if args.in_thread else [])
+               ["--switch-interval", str(args.switch_interval)])
     log(f"starting our server: {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
     _wait_healthy(proc, port, "our server")
@@ -292,9 +281,6 @@ def main() -> None:
                              "process), serve (bi behind our HTTP server); 'none' to "
                              "measure only --url / --vllm-model")
     parser.add_argument("--child-port", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--in-thread", action="store_true",
-                        help="serve: the engine on a thread of the server's process (as "
-                             "before 2026-12-02), not in a process of its own")
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="serve: the server's thread switch interval, s (default: "
                              "workers.serve.app.SWITCH_INTERVAL_S)")

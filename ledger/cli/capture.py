@@ -6,7 +6,6 @@ inside the command only, so ``ledger --help`` stays light.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 from pathlib import Path
@@ -163,22 +162,23 @@ def engine_serve_command(
     try:
         import torch
 
-        from workers.engine import DEFAULT_CPU_THREADS
+        from workers.engine import DEFAULT_CPU_THREADS, load_engine
         from workers.serve.app import create_app
-        from workers.serve.engine_process import EngineError, EngineProcess, load_reference
         from workers.serve.tokenizer import ByteTokenizer
     except ImportError as exc:
         raise _fail(f"the reference engine needs torch: {exc}") from exc
-    del torch  # imported to fail early without it
+    del torch  # imported to fail early without it; load_engine sets the threads
     with console.status("loading model"):
-        try:        # the engine in a process of its own: see workers/serve/engine_process.py
-            engine = EngineProcess(
-                functools.partial(load_reference, model, device, dtype, not no_batch_invariant,
-                                  threads or DEFAULT_CPU_THREADS, prefix_cache_blocks),
-                max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000,
-                prefill_chunk=prefill_chunk)
-        except EngineError as exc:
-            raise _fail(f"the model did not load: {exc}") from exc
+        try:
+            engine = load_engine(model, device=device, dtype=dtype,
+                                 batch_invariant=not no_batch_invariant,
+                                 threads=threads or DEFAULT_CPU_THREADS)
+        except (OSError, ValueError) as exc:
+            raise _fail(str(exc)) from exc
+    if prefix_cache_blocks:
+        from workers.engine.prefix_cache import PrefixCache
+
+        engine.prefix_cache = PrefixCache(pages=prefix_cache_blocks)
     tokenizer = ByteTokenizer() if engine.config.vocab_size == ByteTokenizer.vocab_size \
         and model == TINY_DEMO else None
     name = served_model_name or (TINY_DEMO if model == TINY_DEMO else Path(model).name)

@@ -33,7 +33,6 @@ from starlette.routing import Route
 from workers.engine.api import Engine, GenerationResult, TokenListener
 from workers.serve import openai_api as oa
 from workers.serve.batcher import EngineBatcher
-from workers.serve.engine_process import EngineError, EngineProcess
 from workers.serve.tokenizer import ByteTokenizer
 
 #: The interpreter's thread switch interval while the server runs (Python's default is 5
@@ -45,7 +44,7 @@ from workers.serve.tokenizer import ByteTokenizer
 SWITCH_INTERVAL_S = 0.0002
 
 
-def _closing(batcher: EngineBatcher | EngineProcess, switch_interval_s: float | None) -> Any:
+def _closing(batcher: EngineBatcher, switch_interval_s: float | None) -> Any:
     """The app's lifespan: the switch interval while it serves; close the batcher on
     shutdown (``on_shutdown`` is gone from Starlette 1.x; a lifespan works on 0.x and 1.x)."""
 
@@ -71,8 +70,7 @@ def _failure(exc: BaseException) -> oa.RequestError:
     as vLLM answers)."""
     if isinstance(exc, ValueError):
         return oa.RequestError(str(exc))
-    what = str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
-    return oa.RequestError(f"engine failure: {what}", status=500,
+    return oa.RequestError(f"engine failure: {type(exc).__name__}: {exc}", status=500,
                            kind="InternalServerError")
 
 
@@ -138,14 +136,12 @@ def _error(exc: oa.RequestError) -> Response:
     return _JSON(exc.body(), status_code=exc.status)
 
 
-def create_app(engine: Engine | EngineProcess, *, served_model_name: str,
-               tokenizer: ByteTokenizer | None, max_batch: int = 8, batch_wait_s: float = 0.002,
+def create_app(engine: Engine, *, served_model_name: str, tokenizer: ByteTokenizer | None,
+               max_batch: int = 8, batch_wait_s: float = 0.002,
                prefill_chunk: int | None = None,
                switch_interval_s: float | None = SWITCH_INTERVAL_S) -> Starlette:
-    """The ASGI app serving ``engine`` (which it owns from now on: an engine, batched on
-    a thread of this process, or an :class:`EngineProcess`, batched in its own process
-    with the options it was made with); while it serves, the interpreter's switch interval
-    is ``switch_interval_s`` (None: left as it is)."""
+    """The ASGI app serving ``engine`` (which it owns from now on); while it serves, the
+    interpreter's switch interval is ``switch_interval_s`` (None: left as it is)."""
     from ledger.core.fingerprint import FINGERPRINT_PREFIX, fingerprint_id
 
     config = getattr(engine, "config", None)
@@ -159,8 +155,8 @@ def create_app(engine: Engine | EngineProcess, *, served_model_name: str,
     system_fingerprint = "ledger-{}-{}".format(
         runtime.get("engine_version"),
         fp_id.removeprefix(FINGERPRINT_PREFIX)[:8])
-    batcher = engine if isinstance(engine, EngineProcess) else EngineBatcher(
-        engine, max_batch=max_batch, batch_wait_s=batch_wait_s, prefill_chunk=prefill_chunk)
+    batcher = EngineBatcher(engine, max_batch=max_batch, batch_wait_s=batch_wait_s,
+                            prefill_chunk=prefill_chunk)
     outboxes: dict[asyncio.AbstractEventLoop, _Outbox] = {}    # the serving loop's
 
     async def body_of(request: Request) -> Any:
