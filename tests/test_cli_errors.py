@@ -99,6 +99,7 @@ BAD_INPUT = [
     (["engine", "run", "--model", "tiny-demo", "--input", "{tmp}/missing.jsonl", "--output",
       "{tmp}/o.jsonl"], "missing.jsonl"),
     (["artifact", "hash", "{tmp}/missing-dir"], "missing-dir"),
+    (["engine", "serve", "--model", "{tmp}/no-model", "--port", "1"], "no-model"),
     (["proxy", "--upstream", "http://127.0.0.1:1", "--key", "{tmp}/missing.pem",
       "--fingerprint", "{tmp}/missing.json", "--artifacts", "{tmp}/missing.json"], "missing"),
     (["trust", "init", "--out", "{tmp}/t.toml", "--log-key", "{tmp}/missing.pem"],
