@@ -37,8 +37,8 @@ from workers.serve.tokenizer import ByteTokenizer
 
 #: The interpreter's thread switch interval while the server runs (Python's default is 5
 #: ms). The event loop (HTTP, one chunk per token and stream) and the batcher's thread share
-#: the GIL; when a step's device sync returns, the batcher thread waits for the GIL until
-#: the loop thread gives it up, at the latest after this interval, while the device idles.
+#: the GIL; when a step's device sync returns, the batcher thread may wait for the GIL
+#: until the loop thread gives it up, at the latest after this interval.
 #: On the H200 at 64 streams/s, 0.2 ms gave 3,997 and 4,156 new tokens/s against 3,833 and
 #: 3,913 at 5 ms (alternated, one hold: benchmarks/RESULTS.md); a small, noisy gain.
 SWITCH_INTERVAL_S = 0.0002
