@@ -443,7 +443,10 @@ class GroupCommit:
     envelope requests then share one sequencer lock and one WAL flush instead of queueing
     for the lock one by one; with nobody waiting, a request stores its own at once (no
     batching delay). Failures reach every request of the statement (a lost database is a
-    503 to each of them); nothing of a failed statement is stored.
+    503 to each of them); nothing of a failed statement is stored. A bad value in one
+    group fails the statement with a ``DataError``; the groups are then stored one at a
+    time, each told its own outcome (a failure after some were stored reaches only those
+    not stored yet).
 
     Each waiting request sleeps on a lock of its own, released once: when its statement
     ran, or when it is to lead the next one (the oldest waiting, handed over by the
@@ -531,9 +534,11 @@ class GroupCommit:
                             store_groups(cur, [t.group], settings=self.settings)
                         except psycopg.errors.DataError as exc:
                             t.error = exc
+                        t.settled = True  # committed (or failed) on its own: told so
         except BaseException as exc:
-            for t in batch:
-                t.error = t.error or exc
+            for t in batch:  # not the groups stored one by one before the failure
+                if not t.settled:
+                    t.error = t.error or exc
             if not isinstance(exc, psycopg.errors.DataError) and self._conn is not None:
                 self._conn.invalidate()  # lost or in doubt: the next leader connects afresh
                 self._conn.close()
@@ -557,6 +562,9 @@ def _held_lock() -> threading.Lock:
 class _Ticket:
     group: Group
     done: bool = False
+    #: its own outcome is known (stored on its own, or failed by its own value): a later
+    #: group's failure is not its
+    settled: bool = False
     error: BaseException | None = None
     wake: threading.Lock = field(default_factory=_held_lock)
 
