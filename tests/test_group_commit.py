@@ -197,3 +197,36 @@ def test_a_group_stored_one_by_one_is_not_failed_by_a_later_group(db_url: str) -
     assert isinstance(errors[2], psycopg.errors.SerializationFailure)
     # not stored: the failure reached it (it was never attempted)
     assert isinstance(errors[3], psycopg.errors.SerializationFailure)
+
+
+def test_a_queued_group_frees_its_thread_and_the_lead_is_handed_on(db_url: str) -> None:
+    """``submit`` behind a busy leader returns at once (the request's thread is free; its
+    future is completed by the leader). A leader given ``spawn`` stores one statement and
+    hands the lead on to another thread while groups wait, so its own request is answered
+    at once; that thread stores the rest."""
+    _, producer = provision(db_url)
+    settings = Settings(database_url=db_url)
+    engine = make_engine(settings, pool_size=1)
+    spawned: list[Any] = []
+    gc = ingest.GroupCommit(make_engine(settings, pool_size=1), max_items=1,
+                            spawn=spawned.append)
+    try:
+        groups = [group(engine, settings, [signed(statement(), producer)]) for _ in range(3)]
+        with gc._lock:
+            gc._busy = True
+        futures = [gc.submit(g) for g in groups]  # none of them waits
+        assert not any(f.done() for f in futures)
+        assert not futures[0].cancel(), "a caller that stops waiting could cancel it"
+        gc._hand_over()  # the busy leader is done: it stores one and hands on
+        assert futures[0].done() and not futures[1].done()
+        assert len(spawned) == 1
+        spawned.pop()()  # the other thread: the second, and hands on again
+        assert futures[1].done() and not futures[2].done()
+        spawned.pop()()
+        assert all(f.done() and f.exception() is None for f in futures)
+        assert not spawned and not gc._busy
+    finally:
+        gc.close()
+        engine.dispose()
+    assert [r[0] for r in rows(db_url)] == [0, 1, 2]
+    assert [g.report.results[0].log_index for g in groups if g.report] == [0, 1, 2]
