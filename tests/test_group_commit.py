@@ -6,6 +6,7 @@ with its old index, leaving no gap."""
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from typing import Any
@@ -40,12 +41,25 @@ def rows(db_url: str) -> list[tuple[int, str, int]]:
     return [(int(a), str(b), int(c)) for a, b, c in out]
 
 
-def store_while_busy(gc: ingest.GroupCommit, groups: list[ingest.Group]) -> None:
+def store_while_busy(gc: ingest.GroupCommit, groups: list[ingest.Group], *,
+                     expect_errors: bool = False) -> None:
     """Queue ``groups`` behind a leader that is busy, then let them go: the oldest leads
-    and stores all of them in one statement."""
+    and stores all of them in one statement. With ``expect_errors`` what each ``store``
+    raised (or None) is kept in ``store_while_busy.errors``, in the groups' order."""
+    errors: list[BaseException | None] = [None] * len(groups)
+
+    def store(i: int, g: ingest.Group) -> None:
+        try:
+            gc.store(g)
+        except Exception as exc:  # kept for the test to look at
+            if not expect_errors:
+                raise
+            errors[i] = exc
+
+    store_while_busy.errors = errors  # type: ignore[attr-defined]
     with gc._lock:
         gc._busy = True
-    threads = [threading.Thread(target=gc.store, args=(g,)) for g in groups]
+    threads = [threading.Thread(target=store, args=(i, g)) for i, g in enumerate(groups)]
     for n, t in enumerate(threads, 1):
         t.start()
         deadline = time.monotonic() + 30
@@ -135,3 +149,84 @@ def test_a_stored_request_id_is_existing_and_leaves_no_gap(db_url: str) -> None:
         (Outcome.CREATED, 1), (Outcome.EXISTING, 0)]
     assert g3.report.results[0].log_index == 2
     assert [r[0] for r in rows(db_url)] == [0, 1, 2]
+
+
+def _failing_on(db_url: str) -> None:
+    """A trigger that fails an envelope's row by its request_id: ``bad-...`` with a
+    data exception (22000: one group's bad value), ``lost-...`` with a serialization
+    failure (40001: any failure that is not about the row's values)."""
+    with psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute("""
+            CREATE FUNCTION fail_marked() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+              IF NEW.request_id LIKE 'bad-%' THEN
+                RAISE EXCEPTION 'marked bad' USING ERRCODE = '22000';
+              ELSIF NEW.request_id LIKE 'lost-%' THEN
+                RAISE EXCEPTION 'marked lost' USING ERRCODE = '40001';
+              END IF;
+              RETURN NEW;
+            END $$""")
+        conn.execute("CREATE TRIGGER fail_marked BEFORE INSERT ON envelopes "
+                     "FOR EACH ROW EXECUTE FUNCTION fail_marked()")
+
+
+def test_a_group_stored_one_by_one_is_not_failed_by_a_later_group(db_url: str) -> None:
+    """A bad value fails the shared statement; the groups are then stored one at a time.
+    When a later group fails for another reason, the groups stored before it are stored
+    (committed), and their requests are told so, not given that failure (a 503 for a
+    stored envelope)."""
+    _, producer = provision(db_url)
+    _failing_on(db_url)
+    settings = Settings(database_url=db_url)
+    engine = make_engine(settings, pool_size=1)
+    gc = ingest.GroupCommit(make_engine(settings, pool_size=1))
+    try:
+        good, bad, lost, after = (
+            group(engine, settings, [signed(statement(f"{p}-{secrets.token_hex(4)}"), producer)])
+            for p in ("good", "bad", "lost", "after"))
+        store_while_busy(gc, [good, bad, lost, after], expect_errors=True)
+    finally:
+        gc.close()
+        engine.dispose()
+    stored = rows(db_url)
+    assert [r[1].split("-")[0] for r in stored] == ["good"]
+    assert good.report is not None and good.report.results[0].log_index == 0
+    errors = store_while_busy.errors  # type: ignore[attr-defined]
+    assert errors[0] is None, f"a stored group was failed: {errors[0]!r}"
+    assert isinstance(errors[1], psycopg.errors.DataError)
+    assert isinstance(errors[2], psycopg.errors.SerializationFailure)
+    # not stored: the failure reached it (it was never attempted)
+    assert isinstance(errors[3], psycopg.errors.SerializationFailure)
+
+
+def test_a_queued_group_frees_its_thread_and_the_lead_is_handed_on(db_url: str) -> None:
+    """``submit`` behind a busy leader returns at once (the request's thread is free; its
+    future is completed by the leader). A leader given ``spawn`` stores one statement and
+    hands the lead on to another thread while groups wait, so its own request is answered
+    at once; that thread stores the rest."""
+    _, producer = provision(db_url)
+    settings = Settings(database_url=db_url)
+    engine = make_engine(settings, pool_size=1)
+    spawned: list[Any] = []
+    gc = ingest.GroupCommit(make_engine(settings, pool_size=1), max_items=1,
+                            spawn=spawned.append)
+    try:
+        groups = [group(engine, settings, [signed(statement(), producer)]) for _ in range(3)]
+        with gc._lock:
+            gc._busy = True
+        futures = [gc.submit(g) for g in groups]  # none of them waits
+        assert not any(f.done() for f in futures)
+        assert not futures[0].cancel(), "a caller that stops waiting could cancel it"
+        gc._hand_over()  # the busy leader is done: it stores one and hands on
+        assert futures[0].done() and not futures[1].done()
+        assert len(spawned) == 1
+        spawned.pop()()  # the other thread: the second, and hands on again
+        assert futures[1].done() and not futures[2].done()
+        spawned.pop()()
+        assert all(f.done() and f.exception() is None for f in futures)
+        assert not spawned and not gc._busy
+    finally:
+        gc.close()
+        engine.dispose()
+    assert [r[0] for r in rows(db_url)] == [0, 1, 2]
+    assert [g.report.results[0].log_index for g in groups if g.report] == [0, 1, 2]

@@ -122,3 +122,17 @@ def test_api_process_never_imports_torch() -> None:
                               "postgresql+psycopg://x@127.0.0.1:1/x"}, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_the_held_sha256_is_sha256_at_every_piece_boundary() -> None:
+    """ingest's digest of the stored bytes, fed to hashlib in pieces under its GIL
+    threshold, is the SHA-256 of the whole, at and around each piece's edge."""
+    import hashlib
+    import os
+
+    from ledger.services.ingest import _HELD_CHUNK, _sha256_held
+
+    for n in (0, 1, _HELD_CHUNK - 1, _HELD_CHUNK, _HELD_CHUNK + 1, 2 * _HELD_CHUNK,
+              2 * _HELD_CHUNK + 1, 18_152, 1 << 20):
+        data = os.urandom(n)
+        assert _sha256_held(data) == hashlib.sha256(data).digest(), n

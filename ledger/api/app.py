@@ -458,8 +458,11 @@ def _ingest_state(app: FastAPI, settings: Settings, engine: Engine) -> None:
     """What the ingest routes use besides the app's engine."""
     url = engine.url.render_as_string(hide_password=False)
     # the storing step, on a connection of its own (ledger.services.ingest.GroupCommit)
-    app.state.group_commit = GroupCommit(make_engine(settings, url=url, pool_size=1),
-                                         settings)
+    # a leader hands the lead on to an ingest thread: looked up when it does (the
+    # lifespan makes the threads again when it ends)
+    app.state.group_commit = GroupCommit(
+        make_engine(settings, url=url, pool_size=1), settings,
+        spawn=lambda lead: app.state.ingest_threads.submit(lead))
     # the thread-pool hop (ledger.api.routes.envelopes.in_ingest_thread)
     app.state.ingest_threads = _ingest_threads()
     # the reads (the API key, the producer keys): autocommit, no pre-ping

@@ -6,7 +6,7 @@ it in each DSSE signature's ``keyid``; the ledger looks keys up by it.
 :func:`verify_ed25519` is the one Ed25519 verification of the ledger (DSSE envelopes,
 verdicts, dispute events, signed notes and checkpoints, audit, offline bundles): it runs
 the strict checks of :mod:`ledger.core.ed25519_strict`, then libsodium's
-``crypto_sign_open`` (through PyNaCl's binding of it, without an output buffer: see
+``crypto_sign_open`` (from the library PyNaCl binds, without an output buffer: see
 :func:`_crypto_sign_open`). libsodium, not OpenSSL, because it is a third faster per
 signature (43 vs 66 us on a 2 KB message here), and with our checks in front the two
 accept exactly the same signatures: tests/core/test_ed25519_vectors.py runs every
@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ctypes
 import hashlib
 
+import nacl._sodium as _sodium_module
 import nacl.bindings  # importing it runs sodium_init
 import nacl.exceptions
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
-from nacl._sodium import ffi as _ffi
-from nacl._sodium import lib as _sodium
 
 from ledger.core.ed25519_strict import (
     check_public_key,
@@ -34,17 +34,27 @@ from ledger.core.ed25519_strict import (
 )
 from ledger.core.errors import FormatError, SignatureError
 
+#: libsodium's ``crypto_sign_open`` from the library PyNaCl's binding is (already loaded),
+#: called through ``ctypes.PyDLL``, which keeps the GIL: a verification is ~50 us, and
+#: cffi's release of the GIL around it cost the API a wait to take the GIL back (two
+#: context switches, ~20 us each on the VM) whenever other threads were busy. Offline
+#: verification runs in processes, where holding it costs nothing.
+_sign_open = ctypes.PyDLL(_sodium_module.__file__).crypto_sign_open
+_sign_open.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p,
+                       ctypes.c_ulonglong, ctypes.c_char_p]
+_sign_open.restype = ctypes.c_int
+
 
 def _crypto_sign_open(signed: bytes, public_key_raw: bytes) -> None:
     """libsodium's ``crypto_sign_open`` of ``signature || message``: the call
-    ``nacl.bindings.crypto_sign_open`` makes, through the same compiled binding, but with
-    no buffer for the opened message (libsodium's ``m = NULL``: the same verification,
-    nothing copied out). PyNaCl's wrapper zeroes a buffer as long as the message, has the
-    message copied into it and copies it again to return it: three passes over a 13 KB
-    payload for each record of a bundle, for bytes nobody reads. Raises
+    ``nacl.bindings.crypto_sign_open`` makes, in the same compiled library (holding the
+    GIL: :data:`_sign_open`), but with no buffer for the opened message (libsodium's
+    ``m = NULL``: the same verification, nothing copied out). PyNaCl's wrapper zeroes a
+    buffer as long as the message, has the message copied into it and copies it again to
+    return it: three passes over a 13 KB payload for each record of a bundle, for bytes
+    nobody reads. Raises
     ``nacl.exceptions.BadSignatureError`` as PyNaCl does."""
-    if _sodium.crypto_sign_open(_ffi.NULL, _ffi.NULL, signed, len(signed),
-                                public_key_raw) != 0:
+    if _sign_open(None, None, signed, len(signed), public_key_raw) != 0:
         raise nacl.exceptions.BadSignatureError("Signature was forged or corrupt")
 
 

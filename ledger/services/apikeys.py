@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 import secrets
 import uuid
 from collections.abc import Iterable
@@ -20,6 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from ledger.db.arrays import TextArray
 from ledger.db.models import ApiKey
 from ledger.db.session import AutocommitReads
 from ledger.errors import Conflict, NotFound, Unauthorized
@@ -28,6 +30,7 @@ from ledger.services.keys import ReadKeys, TrustedKey
 if TYPE_CHECKING:
     from ledger.replay.records import Signer
 
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 ROLES = ("ingester", "reviewer", "auditor", "worker", "admin")
 KEY_PREFIX = "lk_"
 
@@ -110,7 +113,12 @@ def authenticate_reads_with_keys(reads: AutocommitReads, key: str, pepper: str,
     principal's role (the ingest path: ``ledger.api.routes.envelopes``)."""
     digest = _digest_of(key, pepper)
     asked = frozenset(keyids)
-    rows = reads.fetchall(_BY_HASH_WITH_KEYS, (digest, sorted(asked)))
+    ids = sorted(asked)
+    # key IDs as DSSE names them (64 hex, as dsse.keyids_named finds them) go as a typed
+    # text[] (ledger.db.arrays: psycopg does not look at the list each time); anything
+    # else is adapted as before
+    rows = reads.fetchall(_BY_HASH_WITH_KEYS, (
+        digest, TextArray(ids) if all(map(_HEX64.fullmatch, ids)) else ids))
     read_at = datetime.now(UTC)
     api_row = next((r[1:6] for r in rows if r[0] == 0), None)
     principal = _principal(api_row, digest)

@@ -116,3 +116,29 @@ def test_an_envelope_payload_takes_the_fast_path() -> None:
     found, value = jsonstrict._loads_fast(env.payload, jsonstrict.MAX_DEPTH)
     assert found and value == json.loads(env.payload)
     assert_same(env.payload)
+
+
+@pytest.mark.parametrize("doc", [
+    b"[1,2,18446744073709551616]", b"[1,2.5,-9223372036854775809]",
+    b'{"t":[0,1,2,12345678901234567890123]}', b"[0.5,1e300,-1e300]",
+    b'["a","b:c",":"]', b'{"d":["x:y","z"],"d":[]}', b'{"k":":","s":["a:","b"]}',
+    b'[1,"a:b"]', b'["a",1,":"]', b"[1,[2,[3]]]", b'["a",{"b:":":"}]', b"[1,null,true]",
+    b"[true,1,2]", b"[1.5,2,3]", b"[]", b'[[],[1],[":"]]',
+])
+def test_lists_of_one_kind_agree_with_the_reference(doc: bytes) -> None:
+    """Lists of numbers only or strings only are read in C (sum, join): a long integer
+    anywhere in one, or a colon in its strings, counts as in any other list."""
+    for depth in (1, 2, 3, 32):
+        assert_same(doc, depth)
+
+
+def test_a_long_integer_after_short_ones_is_read_by_the_reference() -> None:
+    found, _ = jsonstrict._loads_fast(b"[1,2,18446744073709551616]", 32)
+    assert not found
+    assert jsonstrict.loads(b"[1,2,18446744073709551616]") == [1, 2, 2**64]
+
+
+@pytest.mark.parametrize("doc", [b'["a:b","c",":"]', b'{"s":["x:","y"],"n":[1,2.5,3]}'])
+def test_lists_of_one_kind_take_the_fast_path(doc: bytes) -> None:
+    found, value = jsonstrict._loads_fast(doc, 32)
+    assert found and value == json.loads(doc)

@@ -101,14 +101,26 @@ def _count(results: list[ingest_service.ItemResult]) -> None:
             metrics.REJECTED.labels("request_id_conflict").inc()
 
 
+async def _ingested(app: Any, credentials: Credentials | None, body: bytes | LedgerError,
+                    settings: Settings, *, atomic: bool, batch: bool
+                    ) -> ingest_service.IngestReport:
+    """:func:`_ingest_sync` in the ingest threads, then its items' storing awaited here
+    (the group commit's leader completes it; a thread that led has done so already)."""
+    submitted = await in_ingest_thread(app, _ingest_sync, app, credentials, body, settings,
+                                       atomic=atomic, batch=batch)
+    if submitted.stored is not None and not submitted.stored.done():
+        await asyncio.wrap_future(submitted.stored)
+    return submitted.report()
+
+
 def _ingest_sync(app: Any, credentials: Credentials | None, body: bytes | LedgerError,
                  settings: Settings, *, atomic: bool, batch: bool
-                 ) -> ingest_service.IngestReport:
+                 ) -> ingest_service.Submitted:
     """All of an ingest request that is not I/O-bound, in one thread-pool hop: check the
     API key and its role (first: nothing of an unauthorised request is parsed; None: the
     route's dependency checked them before the body was read), read the body's
-    envelopes, verify and validate them, then store through the process's group commit
-    (what it stored is committed when this returns).
+    envelopes, verify and validate them, then hand them to the process's group commit
+    (stored and committed once the result's future is done: :func:`_ingested`).
 
     The key and the producer keys are read on an autocommit connection without a pre-ping
     (:class:`~ledger.db.session.AutocommitReads`), from the rows as they are now, so a
@@ -130,7 +142,7 @@ def _ingest_sync(app: Any, credentials: Credentials | None, body: bytes | Ledger
             raise body
         items = _batch_items(body, settings) if batch else [body]
         metrics.BATCH_SIZE.observe(len(items))
-        return ingest_service.ingest_batch(_producer_keys(reads, read_ahead), items,
+        return ingest_service.submit_batch(_producer_keys(reads, read_ahead), items,
                                            settings, atomic=atomic,
                                            group_commit=app.state.group_commit)
 
@@ -213,8 +225,8 @@ async def _ingest_one(request: Request, credentials: Credentials, settings: Sett
         raw = await _read_capped(request, settings.max_envelope_bytes)
     except ValidationFailed as exc:  # refused after the key is checked: 401/403 come first
         raw = exc
-    report = await in_ingest_thread(request.app, _ingest_sync, request.app, credentials, raw,
-                                    settings, atomic=False, batch=False)
+    report = await _ingested(request.app, credentials, raw, settings, atomic=False,
+                             batch=False)
     _count(report.results)
     r = _refuse_failure(report.results[0])
     body = _result_dict(r)
@@ -354,9 +366,8 @@ async def ingest_batch(
     _: Principal = Depends(require("envelopes:write")),
     settings: Settings = Depends(get_settings_dep),
 ) -> Response:
-    report = await in_ingest_thread(request.app, _ingest_sync, request.app, None,
-                                    await request.body(), settings, atomic=atomic,
-                                    batch=True)
+    report = await _ingested(request.app, None, await request.body(), settings,
+                             atomic=atomic, batch=True)
     _count(report.results)
     dicts = [_result_dict(r) for r in report.results]
     if report.outcome is ingest_service.BatchOutcome.REJECTED:
