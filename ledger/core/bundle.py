@@ -784,6 +784,24 @@ class IndexSet:
         bit = index % self.PAGE
         page[bit >> 3] |= 1 << (bit & 7)
 
+    def add_new(self, index: int) -> bool:
+        """:meth:`add`; False (and nothing changed) when ``index`` was there already: the
+        test and the insertion of :func:`add_record` in one lookup."""
+        if index < 0:
+            if index in self.other:
+                return False
+            self.other.add(index)
+            return True
+        page = self.pages.get(index // self.PAGE)
+        if page is None:
+            page = self.pages[index // self.PAGE] = bytearray(self.PAGE // 8)
+        bit = index % self.PAGE
+        mask, at = 1 << (bit & 7), bit >> 3
+        if page[at] & mask:
+            return False
+        page[at] |= mask
+        return True
+
 
 class _InOrder:
     """The record lines after the header, verified in chunks (in this process with
@@ -807,9 +825,15 @@ class _InOrder:
         self.frozen = False
 
     def take(self, res: ChunkResult) -> None:
-        summary, seen, digest = self.summary, self.seen, self.digest
+        """:func:`add_record` of each result in order, and its digest folded in (written
+        out here: this process does it for every record while the workers verify)."""
+        summary, add_new, digest = self.summary, self.seen.add_new, self.digest
+        by_kind = summary.by_kind
         for index, kind, n, line_digest in res:
-            add_record(summary, seen, index, kind, n)
+            if not add_new(index):
+                raise BundleError(f"line {n}: log index {index} appears twice")
+            summary.records += 1
+            by_kind[kind] = by_kind.get(kind, 0) + 1
             if line_digest is not None:
                 digest.update(line_digest)
         if self.on_records is not None:
