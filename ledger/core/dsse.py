@@ -65,7 +65,12 @@ class Envelope:
 
 def canonical_envelope_bytes(env: Envelope) -> bytes:
     """The one function that makes an envelope's stored (and hashed) bytes."""
-    sigs = ",".join(f'{{"keyid":"{s.keyid}","sig":"{s.sig_b64}"}}' for s in env.signatures)
+    if len(env.signatures) == 1:  # (the common case, without a join)
+        s = env.signatures[0]
+        sigs = f'{{"keyid":"{s.keyid}","sig":"{s.sig_b64}"}}'
+    else:
+        sigs = ",".join([f'{{"keyid":"{s.keyid}","sig":"{s.sig_b64}"}}'
+                         for s in env.signatures])
     return (
         f'{{"payload":"{env.payload_b64}","payloadType":"{env.payload_type}",'
         f'"signatures":[{sigs}]}}'
