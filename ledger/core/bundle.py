@@ -45,6 +45,7 @@ import hashlib
 import io
 import mmap
 import os
+import re
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -52,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+import pybase64
 
 from ledger.core import dsse, jsonstrict
 from ledger.core.envelope import STATEMENT_TYPE
@@ -344,27 +346,40 @@ def _verify(line: bytes, line_no: int, header: BundleHeader
             ) -> tuple[int, str, Any, bytes | None]:
     """(log index, kind, what an admin or erasure record states, the line's v3 digest or
     None in a v2 bundle). The hot path of offline verification: messages are formatted
-    only when they are raised."""
-    # orjson rather than the strict reader: nothing on a record line is trusted until it
-    # verifies cryptographically (signature, inclusion, the manifest's digest), and this
-    # line is the hot path of offline verification.
+    only when they are raised.
+
+    A v3 line in canonical form with one signature (every line ``ledger export``
+    writes) is read by :func:`_canonical_record`, which recognises exactly that form and
+    gives what parsing it would; anything else is parsed whole. The checks after that are
+    the same either way, in the same order."""
+    fast = _canonical_record(line) if header.format == FORMAT and type(line) is bytes \
+        else None
+    if fast is None:
+        # orjson rather than the strict reader: nothing on a record line is trusted until
+        # it verifies cryptographically (signature, inclusion, the manifest's digest), and
+        # this line is the hot path of offline verification.
+        try:
+            rec = orjson.loads(line)
+        except orjson.JSONDecodeError as exc:
+            raise BundleError(f"line {line_no}: not valid JSON: {exc}") from exc
+        if not isinstance(rec, dict) or rec.keys() != RECORD_FIELDS:
+            if isinstance(rec, dict) and rec.keys() == TOMBSTONE_RECORD_FIELDS:
+                return _verify_tombstone(line, rec, f"line {line_no}", header)
+            raise BundleError(f"line {line_no}: not a bundle record")
+        index, kind, ref = rec["log_index"], rec["kind"], rec["ref"]
+        if not isinstance(index, int) or isinstance(index, bool) or not isinstance(ref, str):
+            raise BundleError(f"line {line_no}: log_index must be an integer and ref a "
+                              "string")
+        purposes = PURPOSES_BY_KIND.get(kind) if isinstance(kind, str) else None
+        if purposes is None:
+            raise BundleError(f"line {line_no} (log index {index}, {kind} {ref}): unknown "
+                              "record kind")
+    else:
+        index, kind, ref, env, items, dsse_at, dsse_end = fast
+        purposes = PURPOSES_BY_KIND[kind]
     try:
-        rec = orjson.loads(line)
-    except orjson.JSONDecodeError as exc:
-        raise BundleError(f"line {line_no}: not valid JSON: {exc}") from exc
-    if not isinstance(rec, dict) or rec.keys() != RECORD_FIELDS:
-        if isinstance(rec, dict) and rec.keys() == TOMBSTONE_RECORD_FIELDS:
-            return _verify_tombstone(line, rec, f"line {line_no}", header)
-        raise BundleError(f"line {line_no}: not a bundle record")
-    index, kind, ref = rec["log_index"], rec["kind"], rec["ref"]
-    if not isinstance(index, int) or isinstance(index, bool) or not isinstance(ref, str):
-        raise BundleError(f"line {line_no}: log_index must be an integer and ref a string")
-    purposes = PURPOSES_BY_KIND.get(kind) if isinstance(kind, str) else None
-    if purposes is None:
-        raise BundleError(f"line {line_no} (log index {index}, {kind} {ref}): unknown "
-                          "record kind")
-    try:
-        env = dsse.envelope_from_obj(rec["dsse"])
+        if fast is None:
+            env = dsse.envelope_from_obj(rec["dsse"])
 
         def key_for(keyid: str) -> bytes:
             if kind in FIRST_KINDS:
@@ -387,17 +402,24 @@ def _verify(line: bytes, line_no: int, header: BundleHeader
         payload_ref = _payload_ref(kind, payload)
         if payload_ref != ref:
             raise BundleError(f"the signed payload names {payload_ref!r}, the record {ref!r}")
-        items = rec["inclusion_proof"]
-        if not isinstance(items, list):
-            raise BundleError("inclusion_proof must be a list")
-        canonical = env.canonical_bytes()
-        hex_digest = dsse_digest(canonical)
+        if fast is None:
+            items = rec["inclusion_proof"]
+            if not isinstance(items, list):
+                raise BundleError("inclusion_proof must be a list")
+            canonical = env.canonical_bytes()
+            hex_digest = dsse_digest(canonical)
+        else:  # the canonical DSSE bytes are the line's, from dsse_at to dsse_end
+            hex_digest = dsse_digest(memoryview(line)[dsse_at:dsse_end])
         checkpoint = header.checkpoint
         proven_nodes(checkpoint.size, checkpoint.root_hash).check(
             leaf_hash(log_entry_bytes(kind, ref, hex_digest)), index, items)
-        digest = None if header.format == FORMAT_V2 else _canonical_line_digest(
-            line, record_prefix(index, kind, ref), canonical,
-            record_suffix(orjson.dumps(items)), hex_digest)
+        if fast is not None:  # the line is record_prefix + DSSE + record_suffix
+            digest: bytes | None = dsse_line_digest(line[:dsse_at], hex_digest,
+                                                    line[dsse_end:])
+        else:
+            digest = None if header.format == FORMAT_V2 else _canonical_line_digest(
+                line, record_prefix(index, kind, ref), canonical,
+                record_suffix(orjson.dumps(items)), hex_digest)
         if kind == "envelope":
             return index, kind, None, digest
         if kind == "admin_event":
@@ -416,6 +438,92 @@ def _verify(line: bytes, line_no: int, header: BundleHeader
         raise BundleError(f"line {line_no} (log index {index}, {kind} {ref}): "
                           f"{message}") from exc
     return index, kind, None, digest
+
+
+_LINE_HEAD = b'{"log_index":'
+_KIND_MARK = b',"kind":"'
+_REF_MARK = b'","ref":'
+_DSSE_MARK = b',"dsse":'
+_PAYLOAD_MARK = b'{"payload":"'
+_TYPE_MARK = b'","payloadType":"%s","signatures":[{"keyid":"' % (
+    dsse.PAYLOAD_TYPE_INTOTO.encode())
+_SIG_MARK = b'","sig":"'
+_DSSE_TAIL = b'"}]}'
+_PROOF_MARK = b',"inclusion_proof":'
+_KINDS_BY_BYTES = {k.encode(): k for k in PURPOSES_BY_KIND}
+_HEX64 = re.compile(rb"[0-9a-f]{64}")
+
+
+def _canonical_record(line: bytes) -> tuple[int, str, str, dsse.Envelope, list[Any], int,
+                                            int] | None:
+    """A v3 record line in exactly its canonical form with one DSSE signature,
+    ``record_prefix(index, kind, ref)`` + the canonical DSSE bytes + ``record_suffix(
+    orjson.dumps(items))``, read without parsing it whole: (index, kind, ref, the
+    envelope, items, where the DSSE bytes start and end in the line) as
+    :func:`_verify`'s general path gets them from ``orjson.loads(line)`` and
+    :func:`ledger.core.dsse.envelope_from_obj`, for a line that path accepts up to the
+    signature check. None for any other line (then that path reads it).
+
+    Every byte of the line is accounted for: the fixed JSON between the values; the
+    index as JSON writes an integer (digits, no leading zero, at most 18 of them); a
+    known kind; the ref and the proof items as exactly what ``orjson.dumps`` writes of
+    what ``orjson.loads`` reads from them (a JSON string; a list); the payload type
+    ``dsse.PAYLOAD_TYPE_INTOTO``; a key ID of 64 lowercase hex digits; the payload and
+    signature as padded base64 that pybase64 decodes with ``validate`` (nothing outside
+    the alphabet: no quote, no escape), a 64-byte signature. So the line is valid JSON
+    with these five members and no others, and every value read here is the one parsing
+    it would give."""
+    if not line.startswith(_LINE_HEAD) or not line.endswith(b"}"):
+        return None
+    at = len(_LINE_HEAD)
+    mark = line.find(_KIND_MARK, at, at + 20)
+    digits = line[at:mark]
+    if mark < 0 or not digits.isdigit() or (digits[0] == 48 and len(digits) > 1):
+        return None
+    at = mark + len(_KIND_MARK)
+    mark = line.find(_REF_MARK, at, at + 32)
+    kind = _KINDS_BY_BYTES.get(line[at:mark]) if mark >= 0 else None
+    if kind is None:
+        return None
+    at = mark + len(_REF_MARK)
+    dsse_at = line.find(_DSSE_MARK + _PAYLOAD_MARK, at) + len(_DSSE_MARK)
+    if dsse_at < len(_DSSE_MARK):
+        return None
+    ref_json = line[at:dsse_at - len(_DSSE_MARK)]
+    try:
+        ref = orjson.loads(ref_json)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(ref, str) or orjson.dumps(ref) != ref_json:
+        return None
+    at = dsse_at + len(_PAYLOAD_MARK)
+    mark = line.find(_TYPE_MARK, at)
+    if mark < 0 or (mark - at) % 4:
+        return None
+    payload_b64 = line[at:mark]
+    at = mark + len(_TYPE_MARK)
+    if not _HEX64.fullmatch(line, at, at + 64) or not line.startswith(_SIG_MARK, at + 64):
+        return None
+    keyid = line[at:at + 64]
+    at += 64 + len(_SIG_MARK)
+    dsse_end = line.find(_DSSE_TAIL + _PROOF_MARK, at)
+    if dsse_end < 0 or (dsse_end - at) % 4:
+        return None
+    sig_b64 = line[at:dsse_end]
+    dsse_end += len(_DSSE_TAIL)
+    items_json = line[dsse_end + len(_PROOF_MARK):-1]
+    try:
+        payload = pybase64.b64decode(payload_b64, validate=True)
+        sig = pybase64.b64decode(sig_b64, validate=True)
+        items = orjson.loads(items_json)
+    except (binascii.Error, ValueError):  # (orjson.JSONDecodeError is a ValueError)
+        return None
+    if len(sig) != 64 or not isinstance(items, list) or orjson.dumps(items) != items_json:
+        return None
+    env = dsse.Envelope(dsse.PAYLOAD_TYPE_INTOTO, payload_b64.decode("ascii"), payload,
+                        (dsse.Signature(keyid.decode("ascii"), sig,
+                                        sig_b64.decode("ascii")),))
+    return int(digits), kind, ref, env, items, dsse_at, dsse_end
 
 
 def _canonical_line_digest(line: bytes, prefix: bytes, canonical: bytes, suffix: bytes,
@@ -784,6 +892,24 @@ class IndexSet:
         bit = index % self.PAGE
         page[bit >> 3] |= 1 << (bit & 7)
 
+    def add_new(self, index: int) -> bool:
+        """:meth:`add`; False (and nothing changed) when ``index`` was there already: the
+        test and the insertion of :func:`add_record` in one lookup."""
+        if index < 0:
+            if index in self.other:
+                return False
+            self.other.add(index)
+            return True
+        page = self.pages.get(index // self.PAGE)
+        if page is None:
+            page = self.pages[index // self.PAGE] = bytearray(self.PAGE // 8)
+        bit = index % self.PAGE
+        mask, at = 1 << (bit & 7), bit >> 3
+        if page[at] & mask:
+            return False
+        page[at] |= mask
+        return True
+
 
 class _InOrder:
     """The record lines after the header, verified in chunks (in this process with
@@ -807,9 +933,15 @@ class _InOrder:
         self.frozen = False
 
     def take(self, res: ChunkResult) -> None:
-        summary, seen, digest = self.summary, self.seen, self.digest
+        """:func:`add_record` of each result in order, and its digest folded in (written
+        out here: this process does it for every record while the workers verify)."""
+        summary, add_new, digest = self.summary, self.seen.add_new, self.digest
+        by_kind = summary.by_kind
         for index, kind, n, line_digest in res:
-            add_record(summary, seen, index, kind, n)
+            if not add_new(index):
+                raise BundleError(f"line {n}: log index {index} appears twice")
+            summary.records += 1
+            by_kind[kind] = by_kind.get(kind, 0) + 1
             if line_digest is not None:
                 digest.update(line_digest)
         if self.on_records is not None:

@@ -128,21 +128,25 @@ def _parse_public_key(text: str) -> bytes:
     return raw
 
 
-def verify_ed25519(public_key_raw: bytes, message: bytes, signature: bytes) -> None:
+def verify_ed25519(public_key_raw: bytes, message: bytes, signature: bytes, *,
+                   signed: bytes | None = None) -> None:
     """Return None when ``signature`` is valid, else raise.
 
     Raises :class:`SignatureError` (subclasses ``NonCanonicalSignatureError``,
     ``WeakSignatureError``) for a bad signature and :class:`ledger.core.errors.KeyError_`
     (``WeakKeyError``, ``NonCanonicalKeyError``) for a small-order or non-canonical key:
     the strict rules of :mod:`ledger.core.ed25519_strict`, then libsodium's verification
-    (which refuses those too; ours come first for their error codes).
+    (which refuses those too; ours come first for their error codes). ``signed``, where
+    the caller has made it: ``signature + message``, what libsodium reads, in one buffer
+    (``message`` is then not read): :func:`ledger.core.dsse.verify_envelope` makes it with
+    the PAE, sparing a copy of a long payload.
     """
     if len(public_key_raw) != 32:
         raise SignatureError(f"unusable public key: {len(public_key_raw)} bytes, not 32")
     check_public_key(public_key_raw)
     check_signature(signature)
     try:
-        _crypto_sign_open(signature + message, public_key_raw)
+        _crypto_sign_open(signature + message if signed is None else signed, public_key_raw)
     except nacl.exceptions.BadSignatureError as exc:
         raise SignatureError("Ed25519 signature does not verify") from exc
     except (nacl.exceptions.CryptoError, TypeError, ValueError) as exc:

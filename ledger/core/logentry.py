@@ -62,7 +62,7 @@ def parse_log_entry(entry: bytes) -> tuple[str, str, str]:
     return kind, ref, digest
 
 
-def dsse_digest(dsse_bytes: bytes) -> str:
+def dsse_digest(dsse_bytes: bytes | memoryview) -> str:
     return hashlib.sha256(dsse_bytes).hexdigest()
 
 
