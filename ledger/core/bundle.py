@@ -465,9 +465,10 @@ def _canonical_record(line: bytes) -> tuple[int, str, str, dsse.Envelope, list[A
     signature check. None for any other line (then that path reads it).
 
     Every byte of the line is accounted for: the fixed JSON between the values; the
-    index as JSON writes an integer (digits, no leading zero, at most 18 of them); a
-    known kind; the ref and the proof items as exactly what ``orjson.dumps`` writes of
-    what ``orjson.loads`` reads from them (a JSON string; a list); the payload type
+    index as JSON writes an integer (digits, no leading zero, at most 11 of them: the
+    kind must follow within 20 bytes); a known kind; the ref and the proof items as
+    exactly what ``orjson.dumps`` writes of what ``orjson.loads`` reads from them (a JSON
+    string; a list); the payload type
     ``dsse.PAYLOAD_TYPE_INTOTO``; a key ID of 64 lowercase hex digits; the payload and
     signature as padded base64 that pybase64 decodes with ``validate`` (nothing outside
     the alphabet: no quote, no escape), a 64-byte signature. So the line is valid JSON

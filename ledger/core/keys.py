@@ -145,6 +145,9 @@ def verify_ed25519(public_key_raw: bytes, message: bytes, signature: bytes, *,
         raise SignatureError(f"unusable public key: {len(public_key_raw)} bytes, not 32")
     check_public_key(public_key_raw)
     check_signature(signature)
+    if signed is not None and not signed.startswith(signature):
+        # what libsodium checks must be the signature the strict rules just passed
+        raise SignatureError("the signed bytes do not start with the signature")
     try:
         _crypto_sign_open(signature + message if signed is None else signed, public_key_raw)
     except nacl.exceptions.BadSignatureError as exc:

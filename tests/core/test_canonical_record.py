@@ -162,6 +162,7 @@ def test_lines_that_parse_alike_but_are_spelled_otherwise_are_declined() -> None
         head + b',"dsse": ' + tail,
         _respelled(line, b'"sig":"', b'"sig":"\\u0041'),
         _respelled(line, b'"payload":"', b'"payload":"\\/'),
+        _respelled(line, b'"log_index":7', b'"log_index":%d' % (2**64 + 1)),  # past 64 bits
     ]
     for variant in variants:
         assert _general(variant) is None

@@ -477,3 +477,18 @@ def test_verify_ed25519_runs_libsodium(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(SignatureError):
         verify_ed25519(public_raw(key), b"m", sig)
     assert calls == [sig + b"m"]
+
+
+def test_signed_bytes_must_start_with_the_checked_signature() -> None:
+    """``verify_ed25519(signed=)`` (signature || message made by the caller in one buffer):
+    libsodium reads ``signed``, the strict rules read ``signature``; if they differ, it is
+    refused, so the strict rules always judge the signature that is verified."""
+    from ledger.core.errors import SignatureError as _SignatureError
+    from ledger.core.keys import generate_private_key, public_raw, verify_ed25519
+
+    key, other = generate_private_key(), generate_private_key()
+    message = b"a message"
+    good, theirs = key.sign(message), other.sign(message)
+    verify_ed25519(public_raw(key), message, good, signed=good + message)
+    with pytest.raises(_SignatureError, match="start with the signature"):
+        verify_ed25519(public_raw(key), message, theirs, signed=good + message)
