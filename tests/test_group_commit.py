@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 from sqlalchemy import Engine
 
 from ledger.db.session import make_engine, session_scope
@@ -230,3 +231,39 @@ def test_a_queued_group_frees_its_thread_and_the_lead_is_handed_on(db_url: str) 
         engine.dispose()
     assert [r[0] for r in rows(db_url)] == [0, 1, 2]
     assert [g.report.results[0].log_index for g in groups if g.report] == [0, 1, 2]
+
+
+def test_a_leader_that_raises_leaves_the_waiting_groups_a_leader(db_url: str) -> None:
+    """A leader whose statement raises something no group catches (here
+    KeyboardInterrupt, as a signal would) re-raises it, and the groups still waiting
+    are led by another thread instead of hanging until some later submit."""
+    _, producer = provision(db_url)
+    settings = Settings(database_url=db_url)
+    engine = make_engine(settings, pool_size=1)
+    spawned: list[Any] = []
+
+    class Interrupted(ingest.GroupCommit):
+        first = True
+
+        def _flush(self, batch: Any) -> None:
+            if self.first:
+                self.first = False
+                raise KeyboardInterrupt
+            super()._flush(batch)
+
+    gc = Interrupted(make_engine(settings, pool_size=1), max_items=1, spawn=spawned.append)
+    try:
+        groups = [group(engine, settings, [signed(statement(), producer)]) for _ in range(2)]
+        with gc._lock:
+            gc._busy = True
+        futures = [gc.submit(g) for g in groups]
+        with pytest.raises(KeyboardInterrupt):
+            gc._hand_over()
+        assert len(spawned) == 1 and not futures[1].done()
+        spawned.pop()()
+        assert futures[1].done() and futures[1].exception() is None
+        assert not gc._busy
+    finally:
+        gc.close()
+        engine.dispose()
+    assert [r[0] for r in rows(db_url)] == [0]

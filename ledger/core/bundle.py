@@ -517,9 +517,11 @@ def _canonical_record(line: bytes) -> tuple[int, str, str, dsse.Envelope, list[A
         payload = pybase64.b64decode(payload_b64, validate=True)
         sig = pybase64.b64decode(sig_b64, validate=True)
         items = orjson.loads(items_json)
-    except (binascii.Error, ValueError):  # (orjson.JSONDecodeError is a ValueError)
-        return None
-    if len(sig) != 64 or not isinstance(items, list) or orjson.dumps(items) != items_json:
+        if len(sig) != 64 or not isinstance(items, list) or orjson.dumps(items) != items_json:
+            return None
+    except (binascii.Error, ValueError, TypeError):
+        # (orjson.JSONDecodeError is a ValueError; orjson.dumps refuses nesting past 254
+        # levels, which loads reads, with a TypeError: the general path judges those)
         return None
     env = dsse.Envelope(dsse.PAYLOAD_TYPE_INTOTO, payload_b64.decode("ascii"), payload,
                         (dsse.Signature(keyid.decode("ascii"), sig,

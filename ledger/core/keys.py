@@ -152,5 +152,5 @@ def verify_ed25519(public_key_raw: bytes, message: bytes, signature: bytes, *,
         _crypto_sign_open(signature + message if signed is None else signed, public_key_raw)
     except nacl.exceptions.BadSignatureError as exc:
         raise SignatureError("Ed25519 signature does not verify") from exc
-    except (nacl.exceptions.CryptoError, TypeError, ValueError) as exc:
+    except (nacl.exceptions.CryptoError, TypeError, ValueError, ctypes.ArgumentError) as exc:
         raise SignatureError(f"unusable public key or signature: {exc}") from exc

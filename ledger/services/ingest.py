@@ -520,8 +520,10 @@ class GroupCommit:
             try:
                 self._flush(batch)
             except BaseException:
-                with self._lock:  # the next submit leads what is left
-                    self._busy = False
+                with self._lock:
+                    self._busy = bool(self._waiting)
+                if self._busy:    # what waits meanwhile is not left without a leader
+                    self._lead_elsewhere()
                 raise
             finally:
                 for t in batch:
@@ -539,9 +541,19 @@ class GroupCommit:
         assert self._spawn is not None
         try:
             self._spawn(self._hand_over)
-        except RuntimeError:  # the threads are shut down (the app's lifespan ended)
-            return False
+        except Exception:  # noqa: BLE001 - RuntimeError: the threads are shut down (the
+            return False   # lifespan ended); anything else: this thread leads on all the same
         return True
+
+    def _lead_elsewhere(self) -> None:
+        """Lead what waits from another thread (this one is raising)."""
+        try:
+            if self._spawn is None:
+                raise RuntimeError("no threads to spawn")
+            self._spawn(self._hand_over)
+        except Exception:  # noqa: BLE001 - whatever refused, a thread of its own leads
+            threading.Thread(target=self._hand_over, name="group-commit-lead",
+                             daemon=True).start()
 
     def close(self) -> None:
         with self._lock:

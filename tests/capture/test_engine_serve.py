@@ -292,6 +292,21 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request() -> None:
         assert batcher.requests == 1          # it finished: as aborted, not at 900 tokens
         short = httpx.post(url, json={**body, "stream": False, "max_tokens": 3}, timeout=60)
         assert short.status_code == 200 and short.json()["choices"][0]["text"]
+
+        # a stop string ends a stream's text: its generation stops too (as vLLM's), and
+        # the text is the whole answer's
+        text = httpx.post(url, json={**body, "stream": False, "max_tokens": 12},
+                          timeout=60).json()["choices"][0]["text"]
+        stopped = {**body, "stop": [text[6:9]]}
+        whole = httpx.post(url, json={**stopped, "stream": False}, timeout=120).json()
+        assert whole["choices"][0]["finish_reason"] == "stop"
+        before = batcher.aborts
+        with httpx.stream("POST", url, json=stopped, timeout=60) as r:
+            docs = [json.loads(line[6:]) for line in r.iter_lines()
+                    if line.startswith("data: {")]
+        assert "".join(d["choices"][0]["text"] for d in docs) == whole["choices"][0]["text"]
+        assert docs[-1]["choices"][0]["finish_reason"] == "stop"
+        assert batcher.aborts == before + 1
     finally:
         server.should_exit = True
         thread.join(30)

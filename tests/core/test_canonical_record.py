@@ -164,6 +164,11 @@ def test_lines_that_parse_alike_but_are_spelled_otherwise_are_declined() -> None
         _respelled(line, b'"payload":"', b'"payload":"\\/'),
         _respelled(line, b'"log_index":7', b'"log_index":%d' % (2**64 + 1)),  # past 64 bits
     ]
+    # nested deeper than orjson writes (254 levels) but not than it reads: the general
+    # path's error, not a TypeError out of the short way
+    deep = line.split(b',"inclusion_proof":')[0] + b',"inclusion_proof":' + \
+        b"[" * 300 + b"]" * 300 + b"}"
+    assert _canonical_record(deep) is None
     for variant in variants:
         assert _general(variant) is None
         assert _canonical_record(variant) is None, variant[:120]

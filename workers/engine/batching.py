@@ -163,20 +163,22 @@ class ContinuousBatcher:
             self._waiting.append(seq)
         return ticket
 
-    def abort(self, ticket: int) -> None:
+    def abort(self, ticket: int) -> bool:
         """Stop a request (its client went away): a waiting one finishes now with no
         tokens, a running one at its next sampled token (in a step the batch runs anyway);
         either way its result, finish reason "abort", comes out of :meth:`take_finished`.
-        An unknown or finished ticket is ignored."""
+        False (nothing done) for an unknown or finished ticket."""
         for seq in self._waiting:
             if seq.ticket == ticket:
                 self._waiting.remove(seq)
                 seq.result.finish_reason = "abort"
                 self._done.append(Finished(ticket, seq.result, None))
-                return
+                return True
         for seq in self._active:
-            if seq.ticket == ticket:
+            if seq.ticket == ticket and not seq.aborted:
                 seq.aborted = True
+                return True
+        return False
 
     @property
     def idle(self) -> bool:

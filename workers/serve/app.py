@@ -205,11 +205,18 @@ def create_app(engine: Engine, *, served_model_name: str, tokenizer: ByteTokeniz
         async def events() -> AsyncIterator[bytes]:
             out, pending, running = chunks.start(), [first, *tokens.drain()], \
                 len(parsed.sampling)
+            told_last: set[int] = set()          # choices the engine finished or was told to
             try:
                 while True:
                     for event in pending:            # all that came since the last write
                         if event[0] == "token":
                             out += chunks.token(*event[1:])
+                            i = event[1]
+                            if event[5] is not None:
+                                told_last.add(i)
+                            elif chunks.builders[i].done and i not in told_last:
+                                told_last.add(i)     # a stop string ended its text: as
+                                batcher.abort(futures[i])    # vLLM, stop generating
                         elif (exc := event[2].exception()) is not None:
                             out, running = out + chunks.error(_failure(exc)), 0
                             break

@@ -61,6 +61,7 @@ class EngineBatcher:
         self.requests = 0
         self.max_running = 0          # most requests that ran in one step (continuous)
         self.aborts = 0               # requests stopped by abort() before their end
+        self._count = threading.Lock()  # (aborts is counted on two threads)
         self._queue: queue.Queue[_Item | _Abort | None] = queue.Queue()
         target = self._run_continuous if self.continuous else self._run
         self._thread = threading.Thread(target=target, name="engine-batcher", daemon=True)
@@ -80,7 +81,8 @@ class EngineBatcher:
         its next token, its result's finish reason "abort". A static batch runs to its
         end. Nothing happens to a finished request."""
         if future.cancel():
-            self.aborts += 1
+            with self._count:
+                self.aborts += 1
         elif not future.done() and self.continuous:
             self._queue.put(_Abort(future))
 
@@ -118,8 +120,9 @@ class EngineBatcher:
                 for item in items:              # admission by arrival
                     if isinstance(item, _Abort):
                         for ticket in [t for t, f in waiting.items() if f is item.future]:
-                            batcher.abort(ticket)
-                            self.aborts += 1
+                            if batcher.abort(ticket):
+                                with self._count:
+                                    self.aborts += 1
                         continue
                     if not item.future.set_running_or_notify_cancel():
                         continue
@@ -152,7 +155,7 @@ class EngineBatcher:
 
     def _take_batch(self) -> list[_Item] | None:
         first = self._queue.get()
-        while isinstance(first, _Abort):
+        while isinstance(first, _Abort):   # (never queued for static batches: abort())
             first = self._queue.get()
         if first is None:
             return None
@@ -168,7 +171,7 @@ class EngineBatcher:
             if item is None:                   # stop after this batch
                 self._queue.put(None)
                 break
-            if isinstance(item, _Item):        # (aborts are for continuous batches)
+            if isinstance(item, _Item):        # (never an _Abort here: see abort())
                 batch.append(item)
         return batch
 
