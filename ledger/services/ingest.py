@@ -546,14 +546,16 @@ class GroupCommit:
         return True
 
     def _lead_elsewhere(self) -> None:
-        """Lead what waits from another thread (this one is raising)."""
-        try:
-            if self._spawn is None:
-                raise RuntimeError("no threads to spawn")
-            self._spawn(self._hand_over)
-        except Exception:  # noqa: BLE001 - whatever refused, a thread of its own leads
-            threading.Thread(target=self._hand_over, name="group-commit-lead",
-                             daemon=True).start()
+        """Lead what waits from another thread (this one is raising): ``spawn``'s, or
+        one of its own when there is none or it refuses."""
+        if self._spawn is not None:
+            try:
+                self._spawn(self._hand_over)
+                return
+            except Exception:  # noqa: BLE001, S110 - whatever refused, a thread leads
+                pass
+        threading.Thread(target=self._hand_over, name="group-commit-lead",
+                         daemon=True).start()
 
     def close(self) -> None:
         with self._lock:
@@ -629,23 +631,16 @@ class _Ticket:
             self.stored.set_result(None)
 
 
-def ingest_batch(session: Session | KeyLoader, raw_items: Sequence[Any], settings: Settings,
-                 *, atomic: bool = False, group_commit: GroupCommit | None = None
-                 ) -> IngestReport:
+def ingest_batch(session: Session, raw_items: Sequence[Any], settings: Settings,
+                 *, atomic: bool = False) -> IngestReport:
     """Verify, validate and classify every item, then (unless an atomic batch has a failed
-    item) sequence and store the new ones.
-
-    Without ``group_commit`` this flushes only, in the session's transaction: the caller
-    commits when the outcome is STORED and rolls back when it is REJECTED (nothing was
-    written then). With it (the API), what was stored is committed when this returns, and
-    ``session`` is only read: it may then be a :data:`KeyLoader` instead."""
-    if group_commit is not None:
-        return submit_batch(session, raw_items, settings, atomic=atomic,
-                            group_commit=group_commit).report()
+    item) sequence and store the new ones. This flushes only, in the session's
+    transaction: the caller commits when the outcome is STORED and rolls back when it is
+    REJECTED (nothing was written then). The API stores through a :class:`GroupCommit`
+    instead (:func:`submit_batch`)."""
     prepared, failures = decode_items(raw_items, settings, session)
     group = Group(prepared, failures, atomic)
     if group.has_items:
-        assert isinstance(session, Session), "storing without group commit needs a session"
         with raw_cursor(session) as cur:
             store_groups(cur, [group], settings=settings)
     return _report_of(group)

@@ -155,8 +155,7 @@ class EngineBatcher:
 
     def _take_batch(self) -> list[_Item] | None:
         first = self._queue.get()
-        while isinstance(first, _Abort):   # (never queued for static batches: abort())
-            first = self._queue.get()
+        assert not isinstance(first, _Abort), "abort() queues none for static batches"
         if first is None:
             return None
         batch = [first]
@@ -171,8 +170,8 @@ class EngineBatcher:
             if item is None:                   # stop after this batch
                 self._queue.put(None)
                 break
-            if isinstance(item, _Item):        # (never an _Abort here: see abort())
-                batch.append(item)
+            assert not isinstance(item, _Abort), "abort() queues none for static batches"
+            batch.append(item)
         return batch
 
     def _run(self) -> None:
