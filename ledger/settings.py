@@ -201,6 +201,11 @@ class Settings(BaseSettings):
     metrics_host: str = Field(
         default="127.0.0.1", description="Interface of the metrics listener; loopback by "
         "default, so only a scraper on the host (or a sidecar) reads it.")
+    otel: bool = Field(
+        default=False, description="FastAPI's native OpenTelemetry (traces, metrics and "
+        "logs to the global OpenTelemetry providers your deployment configures). Off by "
+        "default: when on, every request first asks the global providers whether one is "
+        "configured.")
 
     # --- least privilege (docs/deployment.md, "Database roles") -------------------------
     database_password_file: Path | None = Field(
@@ -284,6 +289,7 @@ USED_BY: dict[str, tuple[str, ...]] = {
     "broker_publish_timeout_s": ("serve",),
     "metrics_port": ("serve",),
     "metrics_host": ("serve",),
+    "otel": ("serve",),
     "database_password_file": ("serve", "beat", "worker", "db"),
     "insecure_dev": ("serve", "beat", "worker", "check"),
     "webhook_url": ("beat",),

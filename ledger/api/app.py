@@ -48,6 +48,7 @@ from ledger.log.sink import sink_from_settings
 from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
 from ledger.replay.broker import CeleryPublisher, Publisher
 from ledger.replay.records import Signer
+from ledger.services.credentials import CredentialCache
 from ledger.services.ingest import GroupCommit
 from ledger.settings import Settings, get_settings
 
@@ -119,15 +120,13 @@ class BodyLimitAndMetrics:
                       headers: dict[bytes, bytes], start: float) -> None:
         status_holder = {"status": 500}
         length = headers.get(b"content-length")
-        too_large = problem(413, "too_large",
-                            f"request body exceeds the limit of {self.max_body} bytes")
         if length is not None:
             try:
                 declared = int(length)
             except ValueError:
                 declared = -1
             if declared > self.max_body or declared < 0:
-                await _problem_response(too_large if declared > 0 else problem(
+                await _problem_response(self._too_large() if declared > 0 else problem(
                     400, "bad_content_length", "Content-Length is not a number"))(
                     scope, receive, send)
                 self._observe(scope, 413, start)
@@ -151,16 +150,20 @@ class BodyLimitAndMetrics:
         try:
             await self.app(scope, limited_receive, send_wrapper)
         except _BodyTooLarge:
-            await _problem_response(too_large)(scope, receive, send)
+            await _problem_response(self._too_large())(scope, receive, send)
             status_holder["status"] = 413
         self._observe(scope, status_holder["status"], start)
+
+    def _too_large(self) -> dict[str, Any]:
+        return problem(413, "too_large", f"request body exceeds the limit of {self.max_body} "
+                       "bytes")
 
     @staticmethod
     def _observe(scope: Scope, status: int, start: float) -> None:
         route = scope.get("route")
         path = getattr(route, "path", None) or "unmatched"
-        metrics.REQUEST_LATENCY.labels(scope.get("method", ""), path, str(status)).observe(
-            time.perf_counter() - start)
+        metrics.labelled(metrics.REQUEST_LATENCY, scope.get("method", ""), path,
+                         str(status)).observe(time.perf_counter() - start)
 
 
 class _BodyTooLarge(Exception):
@@ -463,6 +466,8 @@ def _ingest_state(app: FastAPI, settings: Settings, engine: Engine) -> None:
     app.state.group_commit = GroupCommit(
         make_engine(settings, url=url, pool_size=1), settings,
         spawn=lambda lead: app.state.ingest_threads.submit(lead))
+    # the keys earlier requests were admitted with (ledger.services.credentials)
+    app.state.credentials = CredentialCache()
     # the thread-pool hop (ledger.api.routes.envelopes.in_ingest_thread)
     app.state.ingest_threads = _ingest_threads()
     # the reads (the API key, the producer keys): autocommit, no pre-ping
@@ -487,6 +492,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None,
         openapi_url="/openapi.json",
         docs_url=None, redoc_url=None,  # Swagger UI from local files: ledger.console.mount
         dependencies=[Depends(reject_unknown_query)],
+        # off unless asked for (LEDGER_OTEL): on, FastAPI asks OpenTelemetry's global
+        # providers on every request whether one is configured
+        telemetry=None if settings.otel else {"tracing": False, "metrics": False,
+                                              "logs": False},
     )
     app.state.settings = settings
     app.state.engine = engine

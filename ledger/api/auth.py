@@ -67,9 +67,18 @@ def _presented(creds: HTTPAuthorizationCredentials | None) -> str:
 
 async def bearer_key(request: Request) -> str:
     """The API key a request presents (401 ``missing_api_key`` without one), parsed as the
-    routes' ``Depends(_bearer)`` parses it: for :class:`~ledger.api.routes.envelopes.
-    IngestFastPath`, which answers without FastAPI's dependencies."""
-    return _presented(await _bearer(request))
+    routes' ``Depends(_bearer)`` parses it (``HTTPBearer``: the first Authorization
+    header, split at its first space, the rest stripped; the scheme ``bearer`` in any
+    case), without building its pydantic credentials: for the fast paths
+    (:class:`~ledger.api.routes.envelopes.IngestFastPath`, the log's reads), which answer
+    without FastAPI's dependencies. ``tests/api/test_auth.py`` holds the two to the same
+    answers."""
+    scheme, _, param = (request.headers.get("Authorization") or "").partition(" ")
+    key = param.strip()
+    if not scheme or not key or scheme.lower() != "bearer":
+        raise Unauthorized("send an API key as `Authorization: Bearer <key>`",
+                           code="missing_api_key")
+    return key
 
 
 def check_role(principal: Principal, permission: str) -> None:

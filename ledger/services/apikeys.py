@@ -74,7 +74,7 @@ def create_api_key(session: Session, *, name: str, role: str, pepper: str,
 
 
 def authenticate(session: Session, key: str, pepper: str) -> Principal:
-    digest = _digest_of(key, pepper)
+    digest = digest_of(key, pepper)
     row = session.execute(
         select(ApiKey.id, ApiKey.name, ApiKey.role, ApiKey.key_hash, ApiKey.revoked_at)
         .where(ApiKey.key_hash == digest)
@@ -90,7 +90,7 @@ def authenticate_reads(reads: AutocommitReads, key: str, pepper: str) -> Princip
     """:func:`authenticate` in one raw statement (the ingest path: no session, no ORM).
     The same checks, on the row as it is now: nothing is cached, so a revocation takes
     effect with the next request, in every process."""
-    digest = _digest_of(key, pepper)
+    digest = digest_of(key, pepper)
     rows = reads.fetchall(_BY_HASH, (digest,))
     return _principal(rows[0] if rows else None, digest)
 
@@ -111,7 +111,7 @@ def authenticate_reads_with_keys(reads: AutocommitReads, key: str, pepper: str,
     statement. The API key is checked exactly as there (a malformed key before anything
     is read); the keys are only data, for the caller to use once it has checked the
     principal's role (the ingest path: ``ledger.api.routes.envelopes``)."""
-    digest = _digest_of(key, pepper)
+    digest = digest_of(key, pepper)
     asked = frozenset(keyids)
     ids = sorted(asked)
     # key IDs as DSSE names them (64 hex, as dsse.keyids_named finds them) go as a typed
@@ -127,7 +127,7 @@ def authenticate_reads_with_keys(reads: AutocommitReads, key: str, pepper: str,
     return principal, ReadKeys(asked, found, read_at)
 
 
-def _digest_of(key: str, pepper: str) -> bytes:
+def digest_of(key: str, pepper: str) -> bytes:
     if not key.startswith(KEY_PREFIX) or len(key) > 200:
         raise Unauthorized("malformed API key", code="bad_api_key")
     return hash_key(key, pepper)

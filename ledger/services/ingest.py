@@ -48,6 +48,7 @@ from ledger.db.arrays import ByteaArray, TextArray, TimestamptzArray
 from ledger.db.session import raw_cursor
 from ledger.privacy import keys as privacy_keys
 from ledger.services import sequencer
+from ledger.services.credentials import NotRemembered, Remembered, StaleCredentials, stale
 from ledger.services.keys import KeyRing, load_keyring
 from ledger.settings import Settings
 
@@ -265,6 +266,9 @@ class Group:
     failures: list[ItemResult]
     atomic: bool
     report: IngestReport | None = None
+    #: the keys it was admitted with from memory, checked before it is stored
+    #: (:mod:`ledger.services.credentials`); None: read fresh for this request
+    remembered: Remembered | None = None
 
     @property
     def has_items(self) -> bool:
@@ -583,6 +587,9 @@ class GroupCommit:
     def _flush(self, batch: list[_Ticket]) -> None:
         try:
             with raw_cursor(self._connection()) as cur:
+                batch = _current(cur, batch)
+                if not batch:
+                    return
                 try:
                     store_groups(cur, [t.group for t in batch], optimistic=True,
                                  settings=self.settings)
@@ -605,6 +612,21 @@ class GroupCommit:
                 self._conn = None
             if not isinstance(exc, Exception):
                 raise
+
+
+def _current(cur: Any, batch: list[_Ticket]) -> list[_Ticket]:
+    """The tickets to store now: a group admitted from memory whose keys are no longer as
+    remembered (:func:`ledger.services.credentials.stale`) is not stored but settled with
+    :class:`~ledger.services.credentials.StaleCredentials`, for its request to be taken
+    again with fresh reads."""
+    held = [t for t in batch if t.group.remembered is not None]
+    if not held:
+        return batch
+    changed = stale(cur, [t.group.remembered for t in held if t.group.remembered])
+    for t, is_stale in zip(held, changed, strict=True):
+        if is_stale:
+            t.error, t.settled = StaleCredentials(), True
+    return [t for t in batch if not t.settled]
 
 
 def _running_future() -> Future[None]:
@@ -670,6 +692,23 @@ def submit_batch(keys: Session | KeyLoader, raw_items: Sequence[Any], settings: 
     prepared, failures = decode_items(raw_items, settings, keys)
     group = Group(prepared, failures, atomic)
     return Submitted(group, group_commit.submit(group) if group.has_items else None)
+
+
+def submit_admitted(keys: KeyLoader, raw: bytes, settings: Settings, *,
+                    remembered: Remembered, group_commit: GroupCommit) -> Submitted | None:
+    """:func:`submit_batch` for one envelope admitted from memory (``keys`` from the
+    :class:`~ledger.services.credentials.CredentialCache`): None, with nothing handed
+    over, when it fails to decode, verify or validate, or names a key not remembered
+    (``keys`` raises :class:`~ledger.services.credentials.NotRemembered`), for the
+    request to be answered from fresh reads."""
+    try:
+        prepared, failures = decode_items([raw], settings, keys)
+    except NotRemembered:
+        return None
+    if failures:
+        return None
+    group = Group(prepared, failures, False, remembered=remembered)
+    return Submitted(group, group_commit.submit(group))
 
 
 def _report_of(group: Group) -> IngestReport:

@@ -297,11 +297,14 @@ def test_revoked_and_not_yet_valid_keys_are_refused_old_envelopes_stay(api: ApiS
         assert r.status_code == 201
     st = statement()
     env = signed(st, key)
-    assert post_raw(api, json.dumps(env).encode()).status_code == 201
+    # compact JSON, as producers send it: the key IDs are found in the bytes, so the API
+    # remembers the key's row for the next request (ledger.services.credentials) ...
+    assert post_raw(api, compact(env)).status_code == 201
     with api.client("admin") as admin:
         assert admin.post(f"/v1/keys/{keyid}/revoke", json={"reason": "rotated"}).status_code == 200
     before = counts(api)
-    r = post_raw(api, json.dumps(signed(statement(), key)).encode())
+    # ... and finds it changed before storing the next envelope it signed
+    r = post_raw(api, compact(signed(statement(), key)))
     assert r.status_code == 422 and r.json()["code"] == "revoked_key"
     r = post_raw(api, json.dumps(signed(statement(), future)).encode())
     assert r.status_code == 422 and r.json()["code"] == "key_not_yet_valid"
@@ -328,9 +331,10 @@ def test_worker_key_cannot_sign_envelopes(api: ApiServer) -> None:
 
 def test_api_key_revocation_and_role_change_take_effect_on_the_next_ingest(
         api: ApiServer) -> None:
-    """Ingest checks its API key in a raw statement of its own (no session, nothing
-    cached): a revoked key, or one given another role, is refused from the next request
-    on, single and batch."""
+    """Ingest reads its API key in a raw statement of its own, or (single envelopes)
+    admits it from memory and checks its row again before storing: either way a revoked
+    key, or one given another role, is refused from the next request on, single and
+    batch."""
     env = lambda: signed(statement(), api.producer)  # type: ignore[attr-defined]  # noqa: E731
     with api.client("admin") as admin:
         made = admin.post("/v1/api-keys", json={"name": "ingest-revoke", "role": "ingester"})
@@ -357,6 +361,35 @@ def test_api_key_revocation_and_role_change_take_effect_on_the_next_ingest(
                        headers={"Authorization": f"Bearer {key}"})
             assert r.status_code == 401
             assert counts(api) == before
+
+
+def compact(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def test_a_remembered_key_is_not_read_again(api: ApiServer) -> None:
+    """After one request read them, the API key and producer key of single-envelope
+    POSTs come from memory (ledger.services.credentials): the ingest reads' connections
+    run nothing for the next ones, which are stored all the same."""
+    from ledger.api.app import INGEST_READS_APPLICATION
+
+    url = api.db_url.replace("postgresql+psycopg://", "postgresql://")  # type: ignore[attr-defined]
+
+    def last_reads() -> list[Any]:
+        with psycopg.connect(url, autocommit=True) as conn:
+            return conn.execute(
+                "SELECT pid, query_start FROM pg_stat_activity WHERE application_name = %s "
+                "ORDER BY pid", (INGEST_READS_APPLICATION,)).fetchall()
+
+    r = post_raw(api, compact(signed(statement(), api.producer)))  # type: ignore[attr-defined]
+    assert r.status_code == 201, r.text
+    before, stored = last_reads(), counts(api)
+    assert before  # the first request read on one
+    for _ in range(5):
+        r = post_raw(api, compact(signed(statement(), api.producer)))  # type: ignore[attr-defined]
+        assert r.status_code == 201, r.text
+    assert last_reads() == before
+    assert counts(api)[0] == stored[0] + 5
 
 
 def test_ingest_survives_its_pooled_connections_being_dropped(api: ApiServer) -> None:

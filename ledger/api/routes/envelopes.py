@@ -17,7 +17,14 @@ from fastapi.responses import Response
 from sqlalchemy.orm import Session
 
 from ledger import metrics
-from ledger.api.auth import Credentials, authorize_reads_with_keys, bearer_key, presented, require
+from ledger.api.auth import (
+    PERMISSIONS,
+    Credentials,
+    authorize_reads_with_keys,
+    bearer_key,
+    presented,
+    require,
+)
 from ledger.api.deps import get_session, get_settings_dep
 from ledger.api.fast import error_response
 from ledger.api.params import (
@@ -51,6 +58,7 @@ from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
 from ledger.services import envelopes as envelope_service
 from ledger.services import ingest as ingest_service
 from ledger.services.apikeys import Principal
+from ledger.services.credentials import StaleCredentials
 from ledger.services.keys import KeyRing, ReadKeys, load_keyring_reads
 from ledger.settings import Settings
 
@@ -94,23 +102,60 @@ def _result_dict(r: ingest_service.ItemResult) -> dict[str, Any]:
 def _count(results: list[ingest_service.ItemResult]) -> None:
     for r in results:
         if r.stored:
-            metrics.INGESTED.labels(r.outcome).inc()
+            metrics.labelled(metrics.INGESTED, r.outcome).inc()
         elif r.error is not None:
-            metrics.REJECTED.labels(r.error.code).inc()
+            metrics.labelled(metrics.REJECTED, r.error.code).inc()
         elif r.outcome is Outcome.CONFLICT:
-            metrics.REJECTED.labels("request_id_conflict").inc()
+            metrics.labelled(metrics.REJECTED, "request_id_conflict").inc()
 
 
 async def _ingested(app: Any, credentials: Credentials | None, body: bytes | LedgerError,
                     settings: Settings, *, atomic: bool, batch: bool
                     ) -> ingest_service.IngestReport:
     """:func:`_ingest_sync` in the ingest threads, then its items' storing awaited here
-    (the group commit's leader completes it; a thread that led has done so already)."""
-    submitted = await in_ingest_thread(app, _ingest_sync, app, credentials, body, settings,
-                                       atomic=atomic, batch=batch)
+    (the group commit's leader completes it; a thread that led has done so already).
+
+    A single envelope whose API key and producer keys this process remembers goes by
+    :func:`_ingest_remembered` first (no read); when that declines, or the leader finds
+    the keys changed before storing it, the request is taken again from the start here
+    (:mod:`ledger.services.credentials`)."""
+    if credentials is not None and not batch and isinstance(body, bytes):
+        admitted = await in_ingest_thread(app, _ingest_remembered, app, credentials, body,
+                                          settings)
+        if admitted is not None:
+            try:
+                return await _report(admitted)
+            except StaleCredentials:
+                assert admitted.group.remembered is not None
+                app.state.credentials.forget(admitted.group.remembered)
+    return await _report(await in_ingest_thread(app, _ingest_sync, app, credentials, body,
+                                                settings, atomic=atomic, batch=batch))
+
+
+async def _report(submitted: ingest_service.Submitted) -> ingest_service.IngestReport:
     if submitted.stored is not None and not submitted.stored.done():
         await asyncio.wrap_future(submitted.stored)
     return submitted.report()
+
+
+def _ingest_remembered(app: Any, credentials: Credentials, body: bytes, settings: Settings
+                       ) -> ingest_service.Submitted | None:
+    """One envelope admitted with the keys remembered from earlier requests (checked
+    again before it is stored), verified and handed to the group commit; None when they
+    are not all remembered or anything fails (every refusal comes from fresh reads)."""
+    pepper = settings.api_key_pepper.get_secret_value()
+    cache = app.state.credentials
+    admitted = cache.admit(credentials.api_key, pepper, PERMISSIONS[credentials.permission],
+                           dsse.keyids_named(body))
+    if admitted is None:
+        return None
+    remembered, keys = admitted
+    submitted = ingest_service.submit_admitted(cache.keys_for(keys), body, settings,
+                                               remembered=remembered,
+                                               group_commit=app.state.group_commit)
+    if submitted is not None:
+        metrics.BATCH_SIZE.observe(1)
+    return submitted
 
 
 def _ingest_sync(app: Any, credentials: Credentials | None, body: bytes | LedgerError,
@@ -125,8 +170,9 @@ def _ingest_sync(app: Any, credentials: Credentials | None, body: bytes | Ledger
     The key and the producer keys are read on an autocommit connection without a pre-ping
     (:class:`~ledger.db.session.AutocommitReads`), from the rows as they are now, so a
     revoked API key or signing key is refused from the next request on, as with a
-    session. A single envelope's producer keys are read in the API key's own statement
-    (one round trip for both): the key IDs to read are those the body's bytes name, found
+    session (and remembered for the next requests: :func:`_ingest_remembered`). A single
+    envelope's producer keys are read in the API key's own statement (one round trip for
+    both): the key IDs to read are those the body's bytes name, found
     by a byte search (:func:`~ledger.core.dsse.keyids_named`) before the key check, which
     parses nothing and decides nothing: the answer still waits for the key and role, and
     the envelope is then parsed and verified as before, against exactly the keys its
@@ -135,9 +181,13 @@ def _ingest_sync(app: Any, credentials: Credentials | None, body: bytes | Ledger
         read_ahead: ReadKeys | None = None
         if credentials is not None:
             named = dsse.keyids_named(body) if isinstance(body, bytes) and not batch else []
-            _, read_ahead = authorize_reads_with_keys(
+            principal, read_ahead = authorize_reads_with_keys(
                 reads, settings, credentials.api_key, credentials.permission, named)
             reads.release()  # not held while the body is read and verified
+            if named:  # for the next requests with this key (ledger.services.credentials)
+                app.state.credentials.remember(
+                    credentials.api_key, settings.api_key_pepper.get_secret_value(),
+                    principal, read_ahead)
         if isinstance(body, LedgerError):
             raise body
         items = _batch_items(body, settings) if batch else [body]

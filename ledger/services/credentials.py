@@ -1,0 +1,138 @@
+"""Single-envelope ingest without a database read per request: the API key and producer
+keys a request was admitted with come from what an earlier request of this process read,
+and the storing statement's leader checks them against the rows as they are now, just
+before it stores (:func:`stale`).
+
+What a request is answered does not change. A remembered key can only lead to an envelope
+being stored, and only once the check has passed:
+
+- a request refused for any reason (a key, a role, the body, the signature) is taken
+  again from the start with fresh reads (:func:`ledger.api.routes.envelopes._ingested`),
+  so every refusal comes from the rows as they are when it is answered;
+- a request whose key was revoked, whose role changed, or whose producer key's row
+  changed in any field since it was remembered fails the check, is not stored, and is
+  taken again the same way. The check runs after the request arrived and right before
+  the statement that stores it, so a revocation committed before then takes effect; with
+  a fresh read per request the window was longer (from the read to the storing
+  statement).
+
+On the 2-core VM this saves one round trip per POST (``benchmarks/ingest.py``, issue 17);
+the check is one statement per storing statement, whatever the number of requests in it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from ledger.db.arrays import ByteaArray, TextArray
+from ledger.services.apikeys import Principal, digest_of
+from ledger.services.keys import KeyRing, ReadKeys, TrustedKey
+
+
+class NotRemembered(Exception):
+    """An envelope names a key not remembered: the request takes the fresh path."""
+
+
+class StaleCredentials(Exception):
+    """A remembered key no longer matches its row: the request was not stored and must be
+    taken again with fresh reads. Never reaches a client."""
+
+
+@dataclass(frozen=True, slots=True)
+class Remembered:
+    """What a request was admitted with from memory, for :func:`stale` to check."""
+
+    digest: bytes                   # HMAC of the API key (as stored)
+    principal: Principal
+    roles: frozenset[str]           # the roles that hold the route's permission
+    keys: tuple[TrustedKey, ...]    # the producer key rows it was verified with
+
+
+class CredentialCache:
+    """Per API process: the principals of valid API keys (by digest) and the producer key
+    rows that fresh reads found. Only what a fresh read found valid is kept; a miss, or a
+    refusal, takes the fresh path. Bounded: past :attr:`LIMIT` entries it starts afresh."""
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._principals: dict[bytes, Principal] = {}
+        self._keys: dict[str, TrustedKey] = {}
+
+    def remember(self, key: str, pepper: str, principal: Principal, keys: ReadKeys) -> None:
+        """After a fresh read admitted ``key`` with role ``principal.role``."""
+        digest = digest_of(key, pepper)
+        with self._lock:
+            if len(self._principals) + len(self._keys) > self.LIMIT:
+                self._principals.clear()
+                self._keys.clear()
+            self._principals[digest] = principal
+            for row in keys.rows:
+                self._keys[row.keyid] = row
+
+    def admit(self, key: str, pepper: str, roles: frozenset[str], keyids: Iterable[str]
+              ) -> tuple[Remembered, ReadKeys] | None:
+        """The remembered principal of ``key`` and the rows of ``keyids``, as a fresh
+        read now would give them if nothing changed; None unless all are remembered and
+        the role holds the permission (then the fresh path answers). A malformed key
+        raises 401 as the fresh path does, before reading anything."""
+        digest = digest_of(key, pepper)
+        asked = frozenset(keyids)
+        with self._lock:
+            principal = self._principals.get(digest)
+            rows = tuple(self._keys.get(k) for k in sorted(asked))
+        if principal is None or principal.role not in roles or not asked:
+            return None
+        found = tuple(r for r in rows if r is not None)
+        if len(found) != len(rows):
+            return None
+        return (Remembered(digest, principal, roles, found),
+                ReadKeys(asked, found, datetime.now(UTC)))
+
+    def keys_for(self, keys: ReadKeys) -> Callable[[Iterable[str]], KeyRing]:
+        """A key loader (``ledger.services.ingest.KeyLoader``) over ``keys`` only: a key
+        ID they do not hold raises :class:`NotRemembered` (nothing is read)."""
+        def producer_keys(keyids: Iterable[str]) -> KeyRing:
+            ring = keys.keyring(keyids, purpose="producer")
+            if ring is None:
+                raise NotRemembered
+            return ring
+        return producer_keys
+
+    def forget(self, remembered: Remembered) -> None:
+        with self._lock:
+            self._principals.pop(remembered.digest, None)
+            for row in remembered.keys:
+                self._keys.pop(row.keyid, None)
+
+
+#: :func:`stale`'s query: the API-key rows (part 0) and producer-key rows (part 1) named.
+_CURRENT = (
+    "SELECT 0, id::text, name, role, key_hash, revoked_at, NULL::timestamptz "
+    "FROM api_keys WHERE key_hash = ANY(%s) "
+    "UNION ALL SELECT 1, keyid, purpose, status, public_key, not_before, not_after "
+    "FROM signing_keys WHERE keyid = ANY(%s)")
+
+
+def stale(cur: Any, remembered: Sequence[Remembered]) -> list[bool]:
+    """For each of ``remembered``: True when its rows are not as remembered now (the API
+    key gone, revoked, or of another role or name; a producer key row changed in any
+    field or gone). One statement on ``cur``."""
+    digests = sorted({r.digest for r in remembered})
+    keyids = sorted({k.keyid for r in remembered for k in r.keys})
+    cur.execute(_CURRENT, (ByteaArray(digests), TextArray(keyids)))
+    principals: dict[bytes, Principal] = {}
+    keys: dict[str, TrustedKey] = {}
+    for row in cur.fetchall():
+        if row[0] == 0:
+            if row[5] is None:  # not revoked
+                principals[bytes(row[4])] = Principal(row[1], row[2], row[3])
+        else:
+            keys[row[1]] = TrustedKey(row[1], bytes(row[4]), row[2], row[3], row[5], row[6])
+    return [principals.get(r.digest) != r.principal or r.principal.role not in r.roles
+            or any(keys.get(k.keyid) != k for k in r.keys) for r in remembered]
