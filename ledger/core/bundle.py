@@ -33,8 +33,8 @@ that worker processes may share, each line's digest taken in bundle order; memor
 not grow with the bundle. A v3 line's digest binds its DSSE envelope through the SHA-256
 the leaf needs anyway, so it is computed where the line is verified, in parallel; v2's
 one SHA-256 over all the lines was the serial part of parallel verification. A v3 bundle
-file is mapped, and the workers read their chunks from the mapping: the main process only
-finds where lines end (:func:`verify_file`).
+file is mapped, and the workers find and read their lines in ranges of the mapping: the
+main process only cuts the file at a newline every few megabytes (:func:`verify_file`).
 """
 from __future__ import annotations
 
@@ -375,31 +375,22 @@ def _verify(line: bytes, line_no: int, header: BundleHeader
             raise BundleError(f"line {line_no} (log index {index}, {kind} {ref}): unknown "
                               "record kind")
     else:
-        index, kind, ref, env, items, dsse_at, dsse_end = fast
+        index, kind, ref, payload, keyid, sig, items, dsse_at, dsse_end = fast
         purposes = PURPOSES_BY_KIND[kind]
+
+    def key_for(keyid: str) -> bytes:
+        return _signing_key(header, kind, purposes, index, keyid)
+
     try:
         if fast is None:
             env = dsse.envelope_from_obj(rec["dsse"])
-
-        def key_for(keyid: str) -> bytes:
-            if kind in FIRST_KINDS:
-                service = header.service_keys.get(keyid)
-                if service is None:
-                    raise BundleError(f"admin event signed by {keyid}, not a trusted "
-                                      "service key")
-                return service
-            found = header.keys.get(keyid)
-            if found is None:
-                raise BundleError(f"signing key {keyid} is not vouched for in the bundle")
-            if found.purpose not in purposes:
-                raise BundleError(f"key {keyid} is a {found.purpose} key; a {kind} needs a "
-                                  f"{' or '.join(sorted(purposes))} key")
-            found.check_index(keyid, index)
-            return found.public_key
-
-        dsse.verify_envelope(env, key_for)
-        payload = orjson.loads(env.payload)
-        payload_ref = _payload_ref(kind, payload)
+            dsse.verify_envelope(env, key_for)
+            payload = env.payload
+        else:  # verify_envelope of its one signature
+            dsse.verify_signature(dsse.PAYLOAD_TYPE_INTOTO, payload, sig,
+                                  _signing_key(header, kind, purposes, index, keyid))
+        statement = orjson.loads(payload)
+        payload_ref = _payload_ref(kind, statement)
         if payload_ref != ref:
             raise BundleError(f"the signed payload names {payload_ref!r}, the record {ref!r}")
         if fast is None:
@@ -423,13 +414,15 @@ def _verify(line: bytes, line_no: int, header: BundleHeader
         if kind == "envelope":
             return index, kind, None, digest
         if kind == "admin_event":
+            if fast is not None:
+                env = _canonical_envelope(line, fast)
             event = open_admin_event(env, key_for)
             return index, kind, event.predicate, digest
         if kind == "erasure":
-            return (index, kind, erasure_record(erasure_predicate(env.payload), (), index),
+            return (index, kind, erasure_record(erasure_predicate(payload), (), index),
                     digest)
         if kind == "matrix_run":
-            matrix_run_digest(payload)   # the report hashes to the digest it signs
+            matrix_run_digest(statement)   # the report hashes to the digest it signs
     except BundleError as exc:
         raise BundleError(f"line {line_no} (log index {index}, {kind} {ref}): "
                           f"{exc.message}") from exc
@@ -438,6 +431,26 @@ def _verify(line: bytes, line_no: int, header: BundleHeader
         raise BundleError(f"line {line_no} (log index {index}, {kind} {ref}): "
                           f"{message}") from exc
     return index, kind, None, digest
+
+
+def _signing_key(header: BundleHeader, kind: str, purposes: set[str], index: int,
+                 keyid: str) -> bytes:
+    """The public key ``keyid`` names for a ``kind`` record at ``index``, or a refusal:
+    a service key for the records verified first, else a key the bundle vouches for,
+    of a purpose the kind allows, not revoked before the record."""
+    if kind in FIRST_KINDS:
+        service = header.service_keys.get(keyid)
+        if service is None:
+            raise BundleError(f"admin event signed by {keyid}, not a trusted service key")
+        return service
+    found = header.keys.get(keyid)
+    if found is None:
+        raise BundleError(f"signing key {keyid} is not vouched for in the bundle")
+    if found.purpose not in purposes:
+        raise BundleError(f"key {keyid} is a {found.purpose} key; a {kind} needs a "
+                          f"{' or '.join(sorted(purposes))} key")
+    found.check_index(keyid, index)
+    return found.public_key
 
 
 _LINE_HEAD = b'{"log_index":'
@@ -450,19 +463,26 @@ _TYPE_MARK = b'","payloadType":"%s","signatures":[{"keyid":"' % (
 _SIG_MARK = b'","sig":"'
 _DSSE_TAIL = b'"}]}'
 _PROOF_MARK = b',"inclusion_proof":'
+_DSSE_AT_MARK = _DSSE_MARK + _PAYLOAD_MARK
+_END_MARK = _DSSE_TAIL + _PROOF_MARK
+_SIG_B64 = 88  # characters of padded base64 of a 64-byte signature
 _KINDS_BY_BYTES = {k.encode(): k for k in PURPOSES_BY_KIND}
 _HEX64 = re.compile(rb"[0-9a-f]{64}")
 
+#: What :func:`_canonical_record` reads of a line: (index, kind, ref, payload, key ID,
+#: signature, proof items, where the DSSE bytes start and end in the line).
+CanonicalRecord = tuple[int, str, str, bytes, str, bytes, list[Any], int, int]
 
-def _canonical_record(line: bytes) -> tuple[int, str, str, dsse.Envelope, list[Any], int,
-                                            int] | None:
+
+def _canonical_record(line: bytes) -> CanonicalRecord | None:
     """A v3 record line in exactly its canonical form with one DSSE signature,
     ``record_prefix(index, kind, ref)`` + the canonical DSSE bytes + ``record_suffix(
     orjson.dumps(items))``, read without parsing it whole: (index, kind, ref, the
-    envelope, items, where the DSSE bytes start and end in the line) as
-    :func:`_verify`'s general path gets them from ``orjson.loads(line)`` and
-    :func:`ledger.core.dsse.envelope_from_obj`, for a line that path accepts up to the
-    signature check. None for any other line (then that path reads it).
+    payload, the key ID and signature, items, where the DSSE bytes start and end in the
+    line) as :func:`_verify`'s general path gets them from ``orjson.loads(line)`` and
+    :func:`ledger.core.dsse.envelope_from_obj` (:func:`_canonical_envelope` gives that
+    envelope), for a line that path accepts up to the signature check. None for any
+    other line (then that path reads it).
 
     Every byte of the line is accounted for: the fixed JSON between the values; the
     index as JSON writes an integer (digits, no leading zero, at most 11 of them: the
@@ -473,7 +493,14 @@ def _canonical_record(line: bytes) -> tuple[int, str, str, dsse.Envelope, list[A
     signature as padded base64 that pybase64 decodes with ``validate`` (nothing outside
     the alphabet: no quote, no escape), a 64-byte signature. So the line is valid JSON
     with these five members and no others, and every value read here is the one parsing
-    it would give."""
+    it would give.
+
+    The DSSE bytes end at the last ``"}]},"inclusion_proof":`` of the line, and what
+    lies between the payload and there has a fixed length (the payload type, a key ID,
+    a signature's 88 base64 characters), so the payload's end is found without reading
+    the payload (a third of the cost of this reading on an 18 KB line). Where that mark
+    also occurs inside the proof items, the fixed marks or the base64 before it do not
+    hold there (a quote is not base64), and the line is declined."""
     if not line.startswith(_LINE_HEAD) or not line.endswith(b"}"):
         return None
     at = len(_LINE_HEAD)
@@ -487,7 +514,7 @@ def _canonical_record(line: bytes) -> tuple[int, str, str, dsse.Envelope, list[A
     if kind is None:
         return None
     at = mark + len(_REF_MARK)
-    dsse_at = line.find(_DSSE_MARK + _PAYLOAD_MARK, at) + len(_DSSE_MARK)
+    dsse_at = line.find(_DSSE_AT_MARK, at) + len(_DSSE_MARK)
     if dsse_at < len(_DSSE_MARK):
         return None
     ref_json = line[at:dsse_at - len(_DSSE_MARK)]
@@ -497,25 +524,20 @@ def _canonical_record(line: bytes) -> tuple[int, str, str, dsse.Envelope, list[A
         return None
     if not isinstance(ref, str) or orjson.dumps(ref) != ref_json:
         return None
-    at = dsse_at + len(_PAYLOAD_MARK)
-    mark = line.find(_TYPE_MARK, at)
-    if mark < 0 or (mark - at) % 4:
+    dsse_end = line.rfind(_END_MARK, dsse_at) + len(_DSSE_TAIL)
+    sig_at = dsse_end - len(_DSSE_TAIL) - _SIG_B64
+    keyid_at = sig_at - len(_SIG_MARK) - 64
+    payload_at, payload_end = dsse_at + len(_PAYLOAD_MARK), keyid_at - len(_TYPE_MARK)
+    if (payload_end < payload_at or (payload_end - payload_at) % 4
+            or not line.startswith(_TYPE_MARK, payload_end)
+            or not _HEX64.fullmatch(line, keyid_at, keyid_at + 64)
+            or not line.startswith(_SIG_MARK, keyid_at + 64)):
         return None
-    payload_b64 = line[at:mark]
-    at = mark + len(_TYPE_MARK)
-    if not _HEX64.fullmatch(line, at, at + 64) or not line.startswith(_SIG_MARK, at + 64):
-        return None
-    keyid = line[at:at + 64]
-    at += 64 + len(_SIG_MARK)
-    dsse_end = line.find(_DSSE_TAIL + _PROOF_MARK, at)
-    if dsse_end < 0 or (dsse_end - at) % 4:
-        return None
-    sig_b64 = line[at:dsse_end]
-    dsse_end += len(_DSSE_TAIL)
     items_json = line[dsse_end + len(_PROOF_MARK):-1]
+    view = memoryview(line)
     try:
-        payload = pybase64.b64decode(payload_b64, validate=True)
-        sig = pybase64.b64decode(sig_b64, validate=True)
+        payload = pybase64.b64decode(view[payload_at:payload_end], validate=True)
+        sig = pybase64.b64decode(view[sig_at:dsse_end - len(_DSSE_TAIL)], validate=True)
         items = orjson.loads(items_json)
         if len(sig) != 64 or not isinstance(items, list) or orjson.dumps(items) != items_json:
             return None
@@ -523,10 +545,20 @@ def _canonical_record(line: bytes) -> tuple[int, str, str, dsse.Envelope, list[A
         # (orjson.JSONDecodeError is a ValueError; orjson.dumps refuses nesting past 254
         # levels, which loads reads, with a TypeError: the general path judges those)
         return None
-    env = dsse.Envelope(dsse.PAYLOAD_TYPE_INTOTO, payload_b64.decode("ascii"), payload,
-                        (dsse.Signature(keyid.decode("ascii"), sig,
-                                        sig_b64.decode("ascii")),))
-    return int(digits), kind, ref, env, items, dsse_at, dsse_end
+    return (int(digits), kind, ref, payload, line[keyid_at:keyid_at + 64].decode("ascii"),
+            sig, items, dsse_at, dsse_end)
+
+
+def _canonical_envelope(line: bytes, record: CanonicalRecord) -> dsse.Envelope:
+    """The envelope of a line :func:`_canonical_record` read (as
+    :func:`ledger.core.dsse.envelope_from_obj` makes it from the parsed line)."""
+    _, _, _, payload, keyid, sig, _, dsse_at, dsse_end = record
+    sig_at = dsse_end - len(_DSSE_TAIL) - _SIG_B64
+    payload_end = sig_at - len(_SIG_MARK) - 64 - len(_TYPE_MARK)
+    return dsse.Envelope(dsse.PAYLOAD_TYPE_INTOTO,
+                         line[dsse_at + len(_PAYLOAD_MARK):payload_end].decode("ascii"),
+                         payload, (dsse.Signature(keyid, sig, line[sig_at:dsse_end - len(
+                             _DSSE_TAIL)].decode("ascii")),))
 
 
 def _canonical_line_digest(line: bytes, prefix: bytes, canonical: bytes, suffix: bytes,
@@ -647,7 +679,13 @@ class ProvenNodes:
 
     def __init__(self, size: int, root: bytes) -> None:
         self.size, self.root = size, root
-        self.nodes: dict[tuple[int, int], tuple[bytes, list[Any]]] = {}
+        #: the root's level: the tree's leaves span 2**top >= size
+        self.top = (size - 1).bit_length() if size > 0 else 0
+        #: by level j, the node over leaves (i << j) .. min((i + 1) << j, size) - 1, by i:
+        #: its hash and the proof items from it to the root
+        self.levels: list[dict[int, tuple[bytes, list[Any]]]] = [
+            {} for _ in range(self.top + 1)]
+        self.count = 0
 
     def check(self, leaf: bytes, index: int, items: list[Any]) -> None:
         if (isinstance(index, int) and not isinstance(index, bool) and 0 <= index < self.size
@@ -663,23 +701,18 @@ class ProvenNodes:
         neighbour inside the tree is carried up unchanged) until a proven node or the
         root; True, remembering the new nodes, when that proves the record. With
         ``proof`` (already verified) it only remembers."""
-        size, nodes = self.size, self.nodes
-        new: list[tuple[tuple[int, int], bytes, int]] = []
+        size, levels = self.size, self.levels
+        new: list[tuple[int, bytes, int]] = []  # (level, hash, items used) of each node made
         h, k, j = leaf, 0, 0
-        while True:
-            lo = (index >> j) << j
-            hi = min(lo + (1 << j), size)
-            if lo == 0 and hi == size:
-                if proof is None and (h != self.root or k != len(items)):
-                    return False
-                break
+        while j < self.top:
+            i = index >> j
             if k:
-                known = nodes.get((lo, hi))
+                known = levels[j].get(i)
                 if known is not None:
                     if proof is None and (known[0] != h or items[k:] != known[1]):
                         return False
                     break
-            if (index >> j) & 1 or hi < size:
+            if i & 1 or (i + 1) << j < size:  # a sibling on the left, or on the right
                 if k >= len(items):
                     return False
                 if proof is not None:
@@ -694,19 +727,23 @@ class ProvenNodes:
                         return False
                     if len(sibling) != HASH_SIZE:
                         return False
-                if (index >> j) & 1:
+                if i & 1:
                     h = _sha256(NODE_PREFIX + sibling + h).digest()
                 else:
                     h = _sha256(NODE_PREFIX + h + sibling).digest()
                 k += 1
-                up = j + 1
-                new.append((((index >> up) << up, min(((index >> up) + 1) << up, size)), h,
-                            k))
+                new.append((j + 1, h, k))
             j += 1
-        if len(nodes) > self.LIMIT:
-            nodes.clear()
-        for key, node, at in new:
-            nodes[key] = (node, items[at:])
+        else:  # at the root
+            if proof is None and (h != self.root or k != len(items)):
+                return False
+        self.count += len(new)
+        if self.count > self.LIMIT:
+            for level in levels:
+                level.clear()
+            self.count = len(new)
+        for up, node, at in new:
+            levels[up][index >> up] = (node, items[at:])
         return True
 
 
@@ -722,8 +759,13 @@ def proven_nodes(size: int, root: bytes) -> ProvenNodes:
     return found
 
 
-ChunkResult = list[tuple[int, str, int, bytes | None]]
-#: Record lines per unit of parallel work, and the most bytes one unit holds.
+#: What a chunk of record lines gives, in bundle order: (log index, kind, line number, v3
+#: digest or None in v2) of each line verified, and the refusal of the line after them
+#: if one was refused (its chunk stops there): taken in order, the lines before a refused
+#: one are counted (a repeated index among them is the first fault) before it is raised.
+ChunkResult = tuple[list[tuple[int, str, int, bytes | None]], BundleError | None]
+#: Record lines per unit of parallel work, and the most bytes one unit holds (a mapped
+#: file is cut by bytes only: a range of it holds at least CHUNK_BYTES, to a newline).
 CHUNK_LINES = 2_000
 CHUNK_BYTES = 4 * 1024 * 1024
 #: Units of work in flight per worker process (what bounds memory with --processes N).
@@ -739,13 +781,17 @@ _SPACE = frozenset(b" \t\n\r\x0b\x0c")
 
 
 def verify_chunk(args: tuple[BundleHeader, Iterable[tuple[int, bytes]]]) -> ChunkResult:
-    """Verify record lines against an opened header (a unit of parallel work)."""
+    """Verify record lines against an opened header (a unit of parallel work), up to the
+    first one refused (see :data:`ChunkResult`)."""
     header, lines = args
-    out: ChunkResult = []
-    for n, line in lines:
-        index, kind, digest = verify_record(line, n, header)
-        out.append((index, kind, n, digest))
-    return out
+    out: list[tuple[int, str, int, bytes | None]] = []
+    try:
+        for n, line in lines:
+            index, kind, digest = verify_record(line, n, header)
+            out.append((index, kind, n, digest))
+    except BundleError as exc:
+        return out, exc
+    return out, None
 
 
 _WORKER_HEADER: BundleHeader | None = None
@@ -820,30 +866,58 @@ def _verify_slot(slot: int, first: int, ends: bytes) -> ChunkResult:
         view.release()
 
 
-def _mapped_lines(mapping: mmap.mmap, first: int, start: int, ends: Iterable[int]
-                  ) -> Iterator[tuple[int, bytes]]:
-    """The lines numbered from ``first`` of a mapped bundle file: the first at offset
-    ``start``, each ending (before its newline) at the next of ``ends``. Each is copied
-    out of the mapping as it is verified, once: every check of a line reads the same
-    bytes, whatever happens to the file meanwhile."""
-    n = first
-    for end in ends:
-        yield n, mapping[start:end]
-        start, n = end + 1, n + 1
+#: What a range of a mapped bundle file gives (:func:`verify_range`): the number of record
+#: lines verified, their log indices (``array("q")`` bytes: an index that verifies is
+#: inside a tree of at most 2**63 - 1 leaves), the count of each kind among them, their
+#: v3 digests (32 bytes each, in order) and, if the range stopped at a line it refused,
+#: why ("long", "empty" or "record") and where that line lies (start, end offsets).
+RangeResult = tuple[int, bytes, dict[str, int], bytes, tuple[str, int, int] | None]
 
 
-def _verify_mapped(first: int, start: int, ends: bytes) -> ChunkResult:
-    """In a worker: a chunk of the bundle file that the main process mapped before the
-    fork, read from the mapping (the page cache) where it lies; then this process's
+def verify_range(header: BundleHeader, mapping: mmap.mmap, start: int, stop: int
+                 ) -> RangeResult:
+    """Verify the record lines of a mapped v3 bundle file from offset ``start`` (a line's
+    start) to ``stop`` (just after a newline, or the end of the file), finding where each
+    ends here: the checks the main process made of every line before verifying it (the
+    length limit, an empty line) and :func:`verify_record`, up to the first line refused.
+    Their line numbers are not known here (they depend on the ranges before); the main
+    process numbers the lines as it takes the results in order, and names a refused line
+    by verifying it again with its number (:meth:`_InOrder.take_range`), so the message
+    is the one the line gives wherever it is verified. Each line is copied out of the
+    mapping once: every check of a line reads the same bytes."""
+    find = mapping.find
+    indices, digests = array("q"), bytearray()
+    kinds: dict[str, int] = {}
+    pos, limit = start, MAX_LINE_BYTES + 1
+    while pos < stop:
+        end = find(b"\n", pos, min(pos + limit, stop))
+        if end < 0:
+            return len(indices), indices.tobytes(), kinds, bytes(digests), ("long", pos, stop)
+        if end == pos or (mapping[pos] in _SPACE and mapping[pos:end].isspace()):
+            return len(indices), indices.tobytes(), kinds, bytes(digests), ("empty", pos, end)
+        try:
+            index, kind, digest = verify_record(mapping[pos:end], 0, header)
+        except BundleError:
+            return len(indices), indices.tobytes(), kinds, bytes(digests), ("record", pos,
+                                                                            end)
+        assert digest is not None, "a mapped bundle is v3"
+        indices.append(index)
+        kinds[kind] = kinds.get(kind, 0) + 1
+        digests += digest
+        pos = end + 1
+    return len(indices), indices.tobytes(), kinds, bytes(digests), None
+
+
+def _verify_range_in_worker(start: int, stop: int) -> RangeResult:
+    """In a worker: :func:`verify_range` of the bundle file the main process mapped before
+    the fork, read from the mapping (the page cache) where it lies; then this process's
     mapping of those pages is let go, so that its RSS does not grow with the file."""
     assert _WORKER_HEADER is not None and _WORKER_MAPPING is not None, \
         "worker not initialised"
-    offsets = array("Q", ends)
     try:
-        return verify_chunk((_WORKER_HEADER,
-                             _mapped_lines(_WORKER_MAPPING, first, start, offsets)))
+        return verify_range(_WORKER_HEADER, _WORKER_MAPPING, start, stop)
     finally:
-        _release_pages(_WORKER_MAPPING, start, offsets[-1], FAULT_AROUND)
+        _release_pages(_WORKER_MAPPING, start, stop - 1, FAULT_AROUND)
 
 
 #: How far around a faulting page Linux maps neighbouring cached pages of a file
@@ -931,16 +1005,19 @@ class _InOrder:
         self.digest = hashlib.sha256()
         self.pool: Any = None
         self.slots: Slots | None = None
-        self.in_flight: deque[Any] = deque()
+        self.in_flight: deque[tuple[Any, Callable[[Any], None]]] = deque()
+        self.next_line = 2  # the number of the next line a range result starts at
         self.in_order = False  # set while a queued chunk's result is taken
         self.frozen = False
 
     def take(self, res: ChunkResult) -> None:
         """:func:`add_record` of each result in order, and its digest folded in (written
-        out here: this process does it for every record while the workers verify)."""
+        out here: this process does it for every record while the workers verify); then
+        the chunk's refusal, if it has one."""
+        done, refused = res
         summary, add_new, digest = self.summary, self.seen.add_new, self.digest
         by_kind = summary.by_kind
-        for index, kind, n, line_digest in res:
+        for index, kind, n, line_digest in done:
             if not add_new(index):
                 raise BundleError(f"line {n}: log index {index} appears twice")
             summary.records += 1
@@ -948,7 +1025,39 @@ class _InOrder:
             if line_digest is not None:
                 digest.update(line_digest)
         if self.on_records is not None:
-            self.on_records(len(res))
+            self.on_records(len(done))
+        if refused is not None:
+            raise refused
+
+    def take_range(self, res: RangeResult) -> None:
+        """:meth:`take` of a range of the mapped file (:func:`verify_range`): its lines
+        are numbered from :attr:`next_line` here; a refused line is verified again here
+        with its number, for the message it gives (the same check of the same bytes,
+        against the same header: it fails the same way)."""
+        count, indices, kinds, digests, refused = res
+        first, add_new = self.next_line, self.seen.add_new
+        for i, index in enumerate(array("q", indices)):
+            if not add_new(index):
+                raise BundleError(f"line {first + i}: log index {index} appears twice")
+        summary = self.summary
+        summary.records += count
+        for kind, k in kinds.items():
+            summary.by_kind[kind] = summary.by_kind.get(kind, 0) + k
+        self.digest.update(digests)
+        self.next_line = n = first + count
+        if self.on_records is not None:
+            self.on_records(count)
+        if refused is None:
+            return
+        why, start, end = refused
+        if why == "long":
+            raise BundleError(f"a line of the bundle is longer than {MAX_LINE_BYTES} bytes")
+        if why == "empty":
+            raise BundleError(f"line {n}: empty line")
+        assert self.mapping is not None, "a range of a mapped file"
+        verify_record(self.mapping[start:end], n, self.header)
+        # it verified this time: the file changed under the verifier (it must not)
+        raise BundleError(f"line {n}: the bundle file changed while it was verified")
 
     def admin(self, line: bytes, line_no: int) -> None:
         """An admin_event or erasure record, verified here and folded into the header
@@ -960,7 +1069,8 @@ class _InOrder:
 
     def take_next(self) -> None:
         self.in_order = True
-        self.take(self.in_flight.popleft().result())
+        future, take = self.in_flight.popleft()
+        take(future.result())
         self.in_order = False
 
     def room(self) -> None:
@@ -978,7 +1088,11 @@ class _InOrder:
             self.take_next()
 
     def queue(self, fn: Callable[..., ChunkResult], *args: Any) -> None:
-        self.in_flight.append(self.pool.submit(fn, *args))
+        self.in_flight.append((self.pool.submit(fn, *args), self.take))
+
+    def queue_range(self, start: int, stop: int) -> None:
+        self.in_flight.append((self.pool.submit(_verify_range_in_worker, start, stop),
+                               self.take_range))
 
     def drain(self) -> None:
         while self.in_flight:
@@ -986,7 +1100,7 @@ class _InOrder:
 
     def close(self) -> None:
         if self.pool is not None:
-            for fut in self.in_flight:
+            for fut, _ in self.in_flight:
                 fut.cancel()
             self.pool.shutdown(wait=True, cancel_futures=True)
         if self.slots is not None:
@@ -1091,73 +1205,53 @@ def _verify_lines(header: BundleHeader, it: Iterator[bytes], *,
 
 
 def _verify_mapping(header: BundleHeader, mapping: mmap.mmap, pos: int, *,
-                    on_records: Callable[[int], None] | None, processes: int, chunk: int,
+                    on_records: Callable[[int], None] | None, processes: int,
                     chunk_bytes: int) -> BundleSummary:
     """:func:`_verify_lines` for a v3 bundle file mapped into memory, its record lines
-    from offset ``pos``: the same checks, order and messages, but this process only finds
-    where each line ends (and verifies the admin events); a chunk travels to its worker
-    as line numbers and offsets, and the worker reads its lines from the mapping it
-    inherited. Nothing is copied through this process, which was a tenth of the work of
-    parallel verification when every line was read into it and copied again into shared
-    memory. Each process lets go of the pages behind it (:func:`_release_pages`)."""
+    from offset ``pos``: the same checks, order and messages. This process verifies the
+    admin events (line by line, as they come first) and then only cuts the rest into
+    ranges of at least ``chunk_bytes`` ending at a newline; whoever verifies a range
+    finds its lines (:func:`verify_range`), and a worker reads them from the mapping it
+    inherited. This process reads only the bytes around each cut: finding every line's
+    end here (touching every page of the file) was most of its work, which on two cores
+    the workers lacked. Each process lets go of the pages behind it
+    (:func:`_release_pages`)."""
     records = _InOrder(header, on_records, processes, chunk_bytes, mapping)
     size, find = len(mapping), mapping.find
-    n = 2
-    first, start = n, pos  # the batch: lines first.. from offset start, ending at ends
-    ends: list[int] = []
-    batch_bytes = 0
+    n, admins = 2, 0
     released = 0  # this process's pages before this offset were let go
-
-    def flush() -> None:
-        nonlocal first, start, ends, batch_bytes, released
-        if not ends:
-            return
-        todo = (first, start, array("Q", ends))
-        first, start, ends, batch_bytes = n, pos, [], 0  # the next batch
-        if processes <= 1:
-            records.take(verify_chunk((header, _mapped_lines(mapping, *todo))))
-        else:
-            records.room()
-            records.queue(_verify_mapped, todo[0], todo[1], todo[2].tobytes())
-        if start - released >= chunk_bytes:
-            _release_pages(mapping, released, start - 1)
-            released = start - start % mmap.PAGESIZE
-
-    admin_phase, admins = True, 0
     try:
-        while pos < size:
+        while pos < size:  # the admin events and erasures, before any other record
             end = find(b"\n", pos, pos + MAX_LINE_BYTES + 1)
             if end < 0:
                 raise BundleError(f"a line of the bundle is longer than {MAX_LINE_BYTES} "
                                   "bytes")
             if end == pos or (mapping[pos] in _SPACE and mapping[pos:end].isspace()):
                 raise BundleError(f"line {n}: empty line")
-            if admin_phase:
-                line = mapping[pos:end]
-                if is_admin_event(line):
-                    records.admin(line, n)
-                    admins += 1
-                    pos, n = end + 1, n + 1
-                    first, start = n, pos
-                    continue
-                admin_phase = False
-                if on_records is not None and admins:
-                    on_records(admins)
-            ends.append(end)
-            batch_bytes += end - pos
+            line = mapping[pos:end]
+            if not is_admin_event(line):
+                break
+            records.admin(line, n)
+            admins += 1
             pos, n = end + 1, n + 1
-            if len(ends) >= chunk or batch_bytes >= chunk_bytes:
-                flush()
-        if admin_phase and on_records is not None and admins:
+        if on_records is not None and admins:
             on_records(admins)
-        flush()
+        records.next_line = n
+        while pos < size:
+            # the first newline at least chunk_bytes on; none within MAX_LINE_BYTES of
+            # there: the line across it is too long, which verify_range reports in order
+            cut = pos + chunk_bytes - 1
+            stop = find(b"\n", cut, cut + MAX_LINE_BYTES + 1) + 1 or size
+            if processes <= 1:
+                records.take_range(verify_range(header, mapping, pos, stop))
+            else:
+                records.room()
+                records.queue_range(pos, stop)
+            pos = stop
+            if pos - released >= chunk_bytes:
+                _release_pages(mapping, released, pos - 1)
+                released = pos - pos % mmap.PAGESIZE
         records.drain()
-    except BundleError:
-        # as in _verify_lines: the lines queued and batched before come first
-        if not records.in_order:
-            records.drain()
-            records.take(verify_chunk((header, _mapped_lines(mapping, first, start, ends))))
-        raise
     finally:
         records.close()
     return records.result()
@@ -1251,8 +1345,9 @@ def verify_file(path: str | os.PathLike[str], **kwargs: Any) -> BundleSummary:
     end is checked before anything else, as :func:`verify_bundle` does.
 
     Where the file can be mapped and worker processes forked (Linux), a v3 bundle is
-    verified from the mapping (:func:`_verify_mapping`: the workers read their chunks
-    from the page cache, nothing is copied through this process); a v2 bundle, whose
+    verified from the mapping (:func:`_verify_mapping`: the workers find and read their
+    lines in the page cache, nothing is copied through this process, which reads only
+    where it cuts the file into ranges; ``chunk`` does not apply); a v2 bundle, whose
     lines this process hashes anyway, and anything else are read as a stream of lines
     (:func:`iter_lines`). A bundle file must not be truncated while it is verified: read
     through a mapping, that kills the verifier (SIGBUS), which fails, never passes."""
@@ -1301,7 +1396,7 @@ def _verify_mapped_file(fh: io.BufferedReader, mapping: mmap.mmap, *,
         return _verify_lines(header, iter_lines(fh), on_records=on_records,
                              processes=processes, chunk=chunk, chunk_bytes=chunk_bytes)
     return _verify_mapping(header, mapping, end + 1, on_records=on_records,
-                           processes=processes, chunk=chunk, chunk_bytes=chunk_bytes)
+                           processes=processes, chunk_bytes=chunk_bytes)
 
 
 def start_summary(header: BundleHeader) -> BundleSummary:

@@ -190,16 +190,22 @@ def verify_envelope(env: Envelope, public_key_for: Callable[[str], bytes]) -> li
     least one by construction.
     """
     sigs = env.signatures
-    if len(sigs) == 1:  # the common case: signature || PAE made at once
+    if len(sigs) == 1:  # the common case
         s = sigs[0]
-        public_key = public_key_for(s.keyid)
-        verify_ed25519(public_key, b"", s.sig,
-                       signed=pae(env.payload_type, env.payload, s.sig))
+        verify_signature(env.payload_type, env.payload, s.sig, public_key_for(s.keyid))
         return [s.keyid]
     message = env.pae()
     for s in sigs:
         verify_ed25519(public_key_for(s.keyid), message, s.sig)
     return [s.keyid for s in sigs]
+
+
+def verify_signature(payload_type: str, payload: bytes, sig: bytes, public_key: bytes
+                     ) -> None:
+    """One DSSE signature over ``PAE(payload_type, payload)`` (what
+    :func:`verify_envelope` checks of each): ``signature || PAE`` made in one buffer,
+    what libsodium reads, in one copy of the payload."""
+    verify_ed25519(public_key, b"", sig, signed=pae(payload_type, payload, sig))
 
 
 def sign_envelope(payload: bytes, keys: Iterable[Ed25519PrivateKey],

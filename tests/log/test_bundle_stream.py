@@ -5,7 +5,8 @@ process or two, wherever in the stream the fault is, and that the result does no
 on the number of processes or the chunk size.
 
 Real PostgreSQL and a real `ledger export` (the fixture of test_bundle_whole); chunks of
-two records so that a fault sits in the middle of the stream, behind queued chunks."""
+two records (a mapped file: ranges of one line, ``chunk_bytes=1``) so that a fault sits in
+the middle of the stream, behind queued chunks."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import orjson
 import pytest
 
 from ledger.core.bundle import (
+    CHUNK_BYTES,
     BundleError,
     BundleSummary,
     iter_lines,
@@ -48,12 +50,16 @@ def bundle(db_url: str, tmp_path: Path) -> Iterator[Exported]:
 
 def refusals(path: Path, exported: Exported) -> list[str]:
     """The message of every way of verifying ``path``: in memory, and streamed from the
-    file in one process and in two, in chunks of two records and of the default size."""
+    file in one process and in two, in chunks of two records (of a mapped file, ranges
+    of one line, and of 1,000 bytes, cut mid-line) and of the default size."""
     messages = []
-    for run in (lambda: verify_bundle(path.read_bytes(), trust=exported.policy),
-                lambda: verify_file(path, trust=exported.policy, processes=1, chunk=2),
-                lambda: verify_file(path, trust=exported.policy, processes=2, chunk=2),
-                lambda: verify_file(path, trust=exported.policy, processes=2)):
+    policy = exported.policy
+    for run in (lambda: verify_bundle(path.read_bytes(), trust=policy),
+                lambda: verify_file(path, trust=policy, processes=1, chunk=2, chunk_bytes=1),
+                lambda: verify_file(path, trust=policy, processes=2, chunk=2, chunk_bytes=1),
+                lambda: verify_file(path, trust=policy, processes=2, chunk_bytes=1000),
+                lambda: verify_file(path, trust=policy, processes=1),
+                lambda: verify_file(path, trust=policy, processes=2)):
         with pytest.raises(BundleError) as info:
             run()
         messages.append(info.value.message)
@@ -68,8 +74,9 @@ def write(path: Path, lines: list[bytes]) -> Path:
 def test_processes_and_chunks_give_the_same_summary(bundle: Exported) -> None:
     summaries: list[BundleSummary] = [
         verify_bundle(bundle.bundle.read_bytes(), trust=bundle.policy),
-        *(verify_file(bundle.bundle, trust=bundle.policy, processes=p, chunk=c)
-          for p in (1, 2) for c in (1, 2, 2000))]
+        *(verify_file(bundle.bundle, trust=bundle.policy, processes=p, chunk=c,
+                      chunk_bytes=b)
+          for p in (1, 2) for c, b in ((1, 1), (2, 1000), (2000, CHUNK_BYTES)))]
     first = dataclasses.asdict(summaries[0])
     assert first["records"] == RECORDS
     assert first["by_kind"] == {"admin_event": 3, "envelope": N}
@@ -216,6 +223,26 @@ def test_a_reordered_bundle_is_refused_the_same_way(bundle: Exported) -> None:
     assert set(messages) == {f"line 8: log index {index} appears twice"}, messages
 
 
+def test_the_first_fault_in_bundle_order_is_named_within_a_chunk(bundle: Exported) -> None:
+    """A repeated index, then a line refused further on in the same chunk (or range):
+    the repeat is named, as when the two are in different chunks. (A chunk used to be
+    refused whole by its first bad line, before the indices of the lines ahead of it
+    were checked: which fault was named depended on the chunk size.)"""
+    lines = bundle.bundle.read_bytes().split(b"\n")[:-1]
+    rec = orjson.loads(lines[-2])
+    rec["ref"] = rec["ref"] + "x"
+    faults = write(bundle.tmp / "twice-then-bad.jsonl",
+                   [*lines[:7], lines[6], *lines[7:-2], orjson.dumps(rec), lines[-1]])
+    index = orjson.loads(lines[6])["log_index"]
+    assert set(refusals(faults, bundle)) == {f"line 8: log index {index} appears twice"}
+    # and a refused line deep in a range is named by its own number
+    bad = write(bundle.tmp / "bad-late.jsonl", [*lines[:-2], orjson.dumps(rec), lines[-1]])
+    messages = refusals(bad, bundle)
+    assert len(set(messages)) == 1, messages
+    assert messages[0].startswith(f"line {len(lines) - 1} (log index {rec['log_index']}, "
+                                  "envelope "), messages[0]
+
+
 def test_a_bundle_whose_manifest_does_not_match_is_refused_the_same_way(
         bundle: Exported) -> None:
     lines = bundle.bundle.read_bytes().split(b"\n")[:-1]
@@ -310,7 +337,8 @@ def test_a_mapped_bundle_refuses_a_line_past_the_limit_after_the_faults_before_i
     for p, c in ((1, 2), (1, 2000), (2, 2), (2, 2000)):
         with pytest.raises(BundleError, match=f"^a line of the bundle is longer than "
                                               f"{limit} bytes$"):
-            verify_file(long, trust=bundle.policy, processes=p, chunk=c)
+            verify_file(long, trust=bundle.policy, processes=p, chunk=c,
+                        chunk_bytes=1 if c == 2 else CHUNK_BYTES)
     rec = orjson.loads(lines[middle - 2])
     rec["ref"] = rec["ref"] + "x"
     both = write(bundle.tmp / "long-after-fault.jsonl",
@@ -319,7 +347,8 @@ def test_a_mapped_bundle_refuses_a_line_past_the_limit_after_the_faults_before_i
     for p, c in ((1, 2), (1, 2000), (2, 2), (2, 2000)):
         with pytest.raises(BundleError, match=f"^line {middle - 1} .*the signed payload "
                                               "names"):
-            verify_file(both, trust=bundle.policy, processes=p, chunk=c)
+            verify_file(both, trust=bundle.policy, processes=p, chunk=c,
+                        chunk_bytes=1 if c == 2 else CHUNK_BYTES)
     spaces = write(bundle.tmp / "spaces.jsonl", [*lines[:8], b" \t ", *lines[8:]])
     assert set(refusals(spaces, bundle)) == {"line 9: empty line"}
 
