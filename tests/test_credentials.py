@@ -22,6 +22,7 @@ from ledger.services.credentials import (
     NotRemembered,
     Remembered,
     StaleCredentials,
+    keys_for,
     stale,
 )
 from ledger.settings import Settings
@@ -89,7 +90,7 @@ def test_only_what_a_fresh_read_found_is_admitted(setup: Setup) -> None:
     assert setup.cache.admit(key, TEST_PEPPER, INGEST, []) is None
     # a loader over the remembered rows refuses a key ID they do not hold
     with pytest.raises(NotRemembered):
-        setup.cache.keys_for(found)(["0" * 64])
+        keys_for(found)(["0" * 64])
 
 
 def _change(setup: Setup, what: str) -> None:
@@ -132,7 +133,7 @@ def test_the_leader_stores_the_current_and_returns_the_stale(setup: Setup, db_ur
     assert admitted is not None
     groups = []
     for i, body in enumerate(bodies):
-        loader = setup.cache.keys_for(admitted[1])
+        loader = keys_for(admitted[1])
         prepared, failures = ingest.decode_items([body], setup.settings, loader)
         assert not failures
         groups.append(ingest.Group(prepared, failures, False,

@@ -98,7 +98,7 @@ def authenticate_reads(reads: AutocommitReads, key: str, pepper: str) -> Princip
 #: :func:`authenticate_reads_with_keys`' query: :data:`_BY_HASH`'s row (part 0) and the
 #: signing-key rows ``ledger.services.keys.load_keyring_reads`` reads (part 1), in one
 #: statement (one round trip, one snapshot).
-_BY_HASH_WITH_KEYS = (
+BY_HASH_WITH_KEYS = (
     "SELECT 0, id::text, name, role, key_hash, revoked_at, NULL::timestamptz "
     "FROM api_keys WHERE key_hash = %s "
     "UNION ALL SELECT 1, keyid, purpose, status, public_key, not_before, not_after "
@@ -117,14 +117,18 @@ def authenticate_reads_with_keys(reads: AutocommitReads, key: str, pepper: str,
     # key IDs as DSSE names them (64 hex, as dsse.keyids_named finds them) go as a typed
     # text[] (ledger.db.arrays: psycopg does not look at the list each time); anything
     # else is adapted as before
-    rows = reads.fetchall(_BY_HASH_WITH_KEYS, (
+    rows = reads.fetchall(BY_HASH_WITH_KEYS, (
         digest, TextArray(ids) if all(map(_HEX64.fullmatch, ids)) else ids))
     read_at = datetime.now(UTC)
     api_row = next((r[1:6] for r in rows if r[0] == 0), None)
     principal = _principal(api_row, digest)
-    found = tuple(TrustedKey(r[1], bytes(r[4]), r[2], r[3], r[5], r[6])
-                  for r in rows if r[0] == 1)
-    return principal, ReadKeys(asked, found, read_at)
+    return principal, ReadKeys(asked, key_rows(rows), read_at)
+
+
+def key_rows(rows: Iterable[tuple[Any, ...]]) -> tuple[TrustedKey, ...]:
+    """The signing keys among :data:`BY_HASH_WITH_KEYS`' rows (part 1)."""
+    return tuple(TrustedKey(r[1], bytes(r[4]), r[2], r[3], r[5], r[6])
+                 for r in rows if r[0] == 1)
 
 
 def digest_of(key: str, pepper: str) -> bytes:

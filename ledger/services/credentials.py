@@ -29,7 +29,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ledger.db.arrays import ByteaArray, TextArray
-from ledger.services.apikeys import Principal, digest_of
+from ledger.services.apikeys import BY_HASH_WITH_KEYS, Principal, digest_of, key_rows
 from ledger.services.keys import KeyRing, ReadKeys, TrustedKey
 
 
@@ -47,8 +47,7 @@ class Remembered:
     """What a request was admitted with from memory, for :func:`stale` to check."""
 
     digest: bytes                   # HMAC of the API key (as stored)
-    principal: Principal
-    roles: frozenset[str]           # the roles that hold the route's permission
+    principal: Principal            # its role held the permission when admitted
     keys: tuple[TrustedKey, ...]    # the producer key rows it was verified with
 
 
@@ -91,18 +90,8 @@ class CredentialCache:
         found = tuple(r for r in rows if r is not None)
         if len(found) != len(rows):
             return None
-        return (Remembered(digest, principal, roles, found),
+        return (Remembered(digest, principal, found),
                 ReadKeys(asked, found, datetime.now(UTC)))
-
-    def keys_for(self, keys: ReadKeys) -> Callable[[Iterable[str]], KeyRing]:
-        """A key loader (``ledger.services.ingest.KeyLoader``) over ``keys`` only: a key
-        ID they do not hold raises :class:`NotRemembered` (nothing is read)."""
-        def producer_keys(keyids: Iterable[str]) -> KeyRing:
-            ring = keys.keyring(keyids, purpose="producer")
-            if ring is None:
-                raise NotRemembered
-            return ring
-        return producer_keys
 
     def forget(self, remembered: Remembered) -> None:
         with self._lock:
@@ -111,28 +100,33 @@ class CredentialCache:
                 self._keys.pop(row.keyid, None)
 
 
-#: :func:`stale`'s query: the API-key rows (part 0) and producer-key rows (part 1) named.
-_CURRENT = (
-    "SELECT 0, id::text, name, role, key_hash, revoked_at, NULL::timestamptz "
-    "FROM api_keys WHERE key_hash = ANY(%s) "
-    "UNION ALL SELECT 1, keyid, purpose, status, public_key, not_before, not_after "
-    "FROM signing_keys WHERE keyid = ANY(%s)")
+def keys_for(keys: ReadKeys) -> Callable[[Iterable[str]], KeyRing]:
+    """A key loader (``ledger.services.ingest.KeyLoader``) over ``keys`` only: a key ID
+    they do not hold raises :class:`NotRemembered` (nothing is read)."""
+    def producer_keys(keyids: Iterable[str]) -> KeyRing:
+        ring = keys.keyring(keyids, purpose="producer")
+        if ring is None:
+            raise NotRemembered
+        return ring
+    return producer_keys
+
+
+#: :func:`stale`'s query: the fresh read's (``apikeys.BY_HASH_WITH_KEYS``) for many keys.
+_CURRENT = BY_HASH_WITH_KEYS.replace("key_hash = %s", "key_hash = ANY(%s)")
+assert _CURRENT != BY_HASH_WITH_KEYS
 
 
 def stale(cur: Any, remembered: Sequence[Remembered]) -> list[bool]:
     """For each of ``remembered``: True when its rows are not as remembered now (the API
     key gone, revoked, or of another role or name; a producer key row changed in any
-    field or gone). One statement on ``cur``."""
+    field or gone). One statement on ``cur``; the rows read as the fresh path reads them
+    (:func:`ledger.services.apikeys.key_rows`)."""
     digests = sorted({r.digest for r in remembered})
     keyids = sorted({k.keyid for r in remembered for k in r.keys})
     cur.execute(_CURRENT, (ByteaArray(digests), TextArray(keyids)))
-    principals: dict[bytes, Principal] = {}
-    keys: dict[str, TrustedKey] = {}
-    for row in cur.fetchall():
-        if row[0] == 0:
-            if row[5] is None:  # not revoked
-                principals[bytes(row[4])] = Principal(row[1], row[2], row[3])
-        else:
-            keys[row[1]] = TrustedKey(row[1], bytes(row[4]), row[2], row[3], row[5], row[6])
-    return [principals.get(r.digest) != r.principal or r.principal.role not in r.roles
+    rows = cur.fetchall()
+    principals = {bytes(r[4]): Principal(*r[1:4]) for r in rows
+                  if r[0] == 0 and r[5] is None}  # API keys not revoked
+    keys = {k.keyid: k for k in key_rows(rows)}
+    return [principals.get(r.digest) != r.principal
             or any(keys.get(k.keyid) != k for k in r.keys) for r in remembered]

@@ -381,13 +381,21 @@ def test_a_remembered_key_is_not_read_again(api: ApiServer) -> None:
                 "SELECT pid, query_start FROM pg_stat_activity WHERE application_name = %s "
                 "ORDER BY pid", (INGEST_READS_APPLICATION,)).fetchall()
 
-    r = post_raw(api, compact(signed(statement(), api.producer)))  # type: ignore[attr-defined]
-    assert r.status_code == 201, r.text
-    before, stored = last_reads(), counts(api)
-    assert before  # the first request read on one
-    for _ in range(5):
-        r = post_raw(api, compact(signed(statement(), api.producer)))  # type: ignore[attr-defined]
+    with api.client("admin") as admin:  # a key no earlier test's request was admitted with
+        made = admin.post("/v1/api-keys", json={"name": "remembered", "role": "ingester"})
+        assert made.status_code == 201, made.text
+    headers = {"Authorization": f"Bearer {made.json()['key']}",
+               "Content-Type": "application/json"}
+    with api.client() as c:
+        r = c.post("/v1/envelopes", content=compact(signed(statement(), api.producer)),  # type: ignore[attr-defined]
+                   headers=headers)
         assert r.status_code == 201, r.text
+        before, stored = last_reads(), counts(api)
+        assert before  # the first request read on one
+        for _ in range(5):
+            r = c.post("/v1/envelopes", content=compact(signed(statement(), api.producer)),  # type: ignore[attr-defined]
+                       headers=headers)
+            assert r.status_code == 201, r.text
     assert last_reads() == before
     assert counts(api)[0] == stored[0] + 5
 

@@ -58,7 +58,7 @@ from ledger.problems import MEDIA_TYPE, problem, problem_for, status_for
 from ledger.services import envelopes as envelope_service
 from ledger.services import ingest as ingest_service
 from ledger.services.apikeys import Principal
-from ledger.services.credentials import StaleCredentials
+from ledger.services.credentials import StaleCredentials, keys_for
 from ledger.services.keys import KeyRing, ReadKeys, load_keyring_reads
 from ledger.settings import Settings
 
@@ -150,7 +150,7 @@ def _ingest_remembered(app: Any, credentials: Credentials, body: bytes, settings
     if admitted is None:
         return None
     remembered, keys = admitted
-    submitted = ingest_service.submit_admitted(cache.keys_for(keys), body, settings,
+    submitted = ingest_service.submit_admitted(keys_for(keys), body, settings,
                                                remembered=remembered,
                                                group_commit=app.state.group_commit)
     if submitted is not None:
