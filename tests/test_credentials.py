@@ -15,7 +15,8 @@ from sqlalchemy import Engine, text
 
 from ledger.core import dsse
 from ledger.db.session import AutocommitReads, make_engine, raw_cursor, session_scope
-from ledger.services import apikeys, ingest
+from ledger.log.store import SequenceRefused
+from ledger.services import apikeys, credentials, ingest
 from ledger.services import keys as key_service
 from ledger.services.credentials import (
     CredentialCache,
@@ -56,9 +57,22 @@ class Setup:
         return self.cache.admit(key, TEST_PEPPER, INGEST, dsse.keyids_named(body))
 
     def is_stale(self, remembered: Remembered) -> bool:
+        """:func:`stale` and the storing statement's guard (:func:`credentials.check`,
+        the same condition in SQL) agree; either's answer."""
         with self.engine.connect() as conn, raw_cursor(conn) as cur:
             [changed] = stale(cur, [remembered])
+            try:
+                credentials.check(cur, [remembered])
+                refused = False
+            except SequenceRefused:
+                refused = True
+        assert refused == changed
         return changed
+
+    def group(self, body: bytes, remembered: Remembered | None, keys: Any) -> ingest.Group:
+        prepared, failures = ingest.decode_items([body], self.settings, keys_for(keys))
+        assert not failures
+        return ingest.Group(prepared, failures, False, remembered=remembered)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -104,7 +118,7 @@ def _change(setup: Setup, what: str) -> None:
             apikeys.change_api_key_role(s, str(key.id), "reviewer")
         elif what == "producer key revoked":
             key_service.revoke_key(s, keyid, "rotated")
-        elif what == "producer key expires":
+        elif what == "producer key expires":  # another time at each call
             s.execute(text("UPDATE signing_keys SET not_after = :t WHERE keyid = :k"),
                       {"t": datetime.now(UTC) + timedelta(days=1), "k": keyid})
 
@@ -113,6 +127,8 @@ def _change(setup: Setup, what: str) -> None:
                                   "producer key expires"])
 def test_a_changed_row_is_stale(setup: Setup, what: str) -> None:
     body = setup.body()
+    if what == "producer key expires":  # remembered with a not_after set: equal, then not
+        _change(setup, what)
     setup.read_fresh(setup.keys["ingester"], body)
     admitted = setup.admit(setup.keys["ingester"], body)
     assert admitted is not None
@@ -150,6 +166,62 @@ def test_the_leader_stores_the_current_and_returns_the_stale(setup: Setup, db_ur
     stored = rows(db_url)
     assert [r[1] for r in stored] == [request_id(b) for b in (bodies[0], bodies[2])]
     assert [r[0] for r in stored] == [0, 1]
+
+
+def test_the_storing_statement_is_the_check(setup: Setup, db_url: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests admitted from memory with current keys are stored by one statement that
+    checks them itself: no separate check (stale() is not called)."""
+    key = setup.keys["ingester"]
+    bodies = [setup.body() for _ in range(3)]
+    setup.read_fresh(key, bodies[0])
+    admitted = setup.admit(key, bodies[0])
+    assert admitted is not None
+
+    def no_separate_check(*_: Any) -> None:
+        raise AssertionError("the storing statement checks remembered keys itself")
+
+    monkeypatch.setattr(ingest, "stale", no_separate_check)
+    monkeypatch.setattr(credentials, "check", no_separate_check)
+    gc = ingest.GroupCommit(make_engine(setup.settings, pool_size=1), setup.settings)
+    try:
+        store_while_busy(gc, [setup.group(b, admitted[0], admitted[1]) for b in bodies])
+    finally:
+        gc.close()
+    stored = rows(db_url)
+    assert [r[1] for r in stored] == [request_id(b) for b in bodies]
+    assert len({r[2] for r in stored}) == 1  # one transaction
+
+
+def test_a_stale_request_is_not_answered_existing(setup: Setup, db_url: str) -> None:
+    """A request admitted from memory whose envelope is stored already is answered
+    "existing" only if its keys are as remembered: with its API key revoked it is sent
+    back (and the fresh path refuses it), even though nothing new would be stored."""
+    key = setup.keys["ingester"]
+    body = setup.body()
+    setup.read_fresh(key, body)
+    admitted = setup.admit(key, body)
+    assert admitted is not None
+    gc = ingest.GroupCommit(make_engine(setup.settings, pool_size=1), setup.settings)
+    try:
+        first = setup.group(body, admitted[0], admitted[1])
+        gc.store(first)
+        assert first.report is not None
+        assert first.report.results[0].outcome is ingest.ItemOutcome.CREATED
+        again = setup.group(body, admitted[0], admitted[1])
+        gc.store(again)
+        assert again.report is not None
+        assert again.report.results[0].outcome is ingest.ItemOutcome.EXISTING
+        _change(setup, "api key revoked")
+        with pytest.raises(StaleCredentials):
+            gc.store(setup.group(body, admitted[0], admitted[1]))
+    finally:
+        gc.close()
+    # classified first (as after a lost race): nothing new, the check runs on its own
+    with setup.engine.connect() as conn, raw_cursor(conn) as cur, \
+            pytest.raises(SequenceRefused):
+        ingest.store_groups(cur, [setup.group(body, admitted[0], admitted[1])])
+    assert len(rows(db_url)) == 1
 
 
 def request_id(body: bytes) -> str:

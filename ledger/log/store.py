@@ -396,13 +396,20 @@ def sequenced_size(cursor: Any, *, lock: bool = False) -> int:
     return int(row[0])
 
 
+class SequenceRefused(Exception):
+    """The sequencing statement's guard did not hold: nothing was sequenced or stored."""
+
+
 #: The sequencing statement. ``seq`` moves ``log_state`` past the new entries: that UPDATE
-#: takes the row lock that serialises sequencing, first thing in the statement (everything
-#: else reads ``seq``), and the statement's commit releases it. The ``{records}`` CTEs
-#: store the records that carry the indices (``seq.start + ord - 1``) in the same statement.
+#: takes the row lock that serialises sequencing, first among the row locks of the
+#: statement (everything else reads ``seq``), and the statement's commit releases it. The
+#: ``{records}`` CTEs store the records that carry the indices (``seq.start + ord - 1``) in
+#: the same statement. An optional ``{guard}`` CTE (one boolean column, ``ok``) is a
+#: condition read before the lock is taken: when it is false ``seq`` has no row, nothing
+#: is written, and :func:`sequence` raises :class:`SequenceRefused`.
 SEQUENCE = """
-WITH seq AS (
-  UPDATE log_state SET size = size + %(n)s::bigint WHERE id = 1
+WITH {guard}seq AS (
+  UPDATE log_state SET size = size + %(n)s::bigint WHERE id = 1{guarded}
   RETURNING size - %(n)s::bigint AS start
 ), sequenced AS (
   INSERT INTO log_entries (idx, kind, ref, entry, leaf_hash)
@@ -414,17 +421,26 @@ SELECT start FROM seq
 """
 
 
+@lru_cache(maxsize=64)
+def _sequence_sql(records: str, guard: str) -> str:
+    return SEQUENCE.format(records=records, guard=f"{guard}, " if guard else "",
+                           guarded=" AND (SELECT ok FROM guard)" if guard else "")
+
+
 def sequence(cursor: Any, rows: Sequence[tuple[str, str, bytes, bytes]], records: str = "",
-             params: Mapping[str, Any] | None = None) -> int:
+             params: Mapping[str, Any] | None = None, guard: str = "") -> int:
     """Write (kind, ref, entry, leaf hash) rows at the next free indices, in one statement
-    with the ``records`` CTEs (and their ``params``); returns the first index."""
+    with the ``records`` CTEs (and their ``params``), if the ``guard`` CTE (``guard AS
+    (SELECT ... AS ok)``, its parameters in ``params``) holds; returns the first index."""
     assert rows, "nothing to sequence"
-    cursor.execute(SEQUENCE.format(records=records), {
+    cursor.execute(_sequence_sql(records, guard), {
         # kinds are ours; a ref may be any caller's text, so psycopg adapts it as before
         "n": len(rows), "kind": TextArray(r[0] for r in rows), "ref": [r[1] for r in rows],
         "entry": ByteaArray(r[2] for r in rows), "leaf_hash": ByteaArray(r[3] for r in rows),
         **(params or {})})
     row = cursor.fetchone()
+    if row is None and guard:
+        raise SequenceRefused
     assert row is not None, "log_state row missing: run `ledger db upgrade`"
     return int(row[0])
 

@@ -46,8 +46,9 @@ from ledger.core.errors import FormatError, LedgerError, ValidationFailed
 from ledger.core.sealing import KeyEncryptionKey
 from ledger.db.arrays import ByteaArray, TextArray, TimestamptzArray
 from ledger.db.session import raw_cursor
+from ledger.log.store import SequenceRefused
 from ledger.privacy import keys as privacy_keys
-from ledger.services import sequencer
+from ledger.services import credentials, sequencer
 from ledger.services.credentials import NotRemembered, Remembered, StaleCredentials, stale
 from ledger.services.keys import KeyRing, load_keyring
 from ledger.settings import Settings
@@ -380,8 +381,11 @@ def _stored_bytes(cur: Any, kek: KeyEncryptionKey | None,
          p.dsse_bytes, p.dsse_sha256) for p in new])
 
 
-def _write(cur: Any, new: Sequence[Prepared], settings: Settings | None = None) -> int:
-    """Sequence and store ``new`` in one statement; returns the first log index.
+def _write(cur: Any, new: Sequence[Prepared], settings: Settings | None = None,
+           remembered: Sequence[Remembered] = ()) -> int:
+    """Sequence and store ``new`` in one statement; returns the first log index. With
+    ``remembered`` credentials the statement stores nothing unless they are as remembered
+    (:data:`ledger.services.credentials.GUARD`; :class:`~ledger.log.store.SequenceRefused`).
 
     With a KEK the data keys are taken ``FOR SHARE`` (an erasure cannot destroy a key
     between sealing and storing) inside the caller's transaction, after the sequencer lock,
@@ -413,9 +417,12 @@ def _write(cur: Any, new: Sequence[Prepared], settings: Settings | None = None) 
         "fp_runtime": TextArray(orjson.dumps(fingerprints[k]).decode()
                                 for k in sorted(fingerprints)),
     }
+    if remembered:
+        params.update(credentials.guard_params(remembered))
     return sequencer.append(cur, [("envelope", f.request_id, p.dsse_sha256.hex())
                                   for f, p in zip(fields, new, strict=True)],
-                            _STORE_ENVELOPES, params)[0]
+                            _STORE_ENVELOPES, params,
+                            credentials.GUARD if remembered else "")[0]
 
 
 #: Attempts at storing one statement's groups: after the first, a retry follows only a
@@ -425,10 +432,15 @@ _ATTEMPTS = 5
 
 
 def store_groups(cur: Any, groups: Sequence[Group], *, optimistic: bool = False,
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None, check: bool = True) -> None:
     """Classify and store ``groups`` (each gets its report). ``cur`` is either in
     autocommit (the statement commits as it runs: :class:`GroupCommit`) or inside the
     caller's transaction (a savepoint then undoes a lost race).
+
+    Groups admitted with remembered credentials are stored only if those are as
+    remembered (unless ``check`` is off: the caller just checked them), tested by the
+    storing statement itself, or by a statement of its own when nothing is new; if not,
+    nothing is stored and :class:`~ledger.log.store.SequenceRefused` is raised.
 
     ``optimistic``: the first attempt takes every request_id for new without reading
     storage (one round trip instead of two, for the common case of new envelopes); a
@@ -436,6 +448,7 @@ def store_groups(cur: Any, groups: Sequence[Group], *, optimistic: bool = False,
     An atomic batch is only ever rejected on a classification that read storage."""
     conn = cur.connection
     sealing = settings is not None and settings.kek_file is not None
+    remembered = [g.remembered for g in groups if g.remembered is not None] if check else []
     for attempt in range(_ATTEMPTS):
         try:  # autocommit: one statement, unless sealing (a transaction of its own then)
             with conn.transaction() if sealing or not conn.autocommit else nullcontext():
@@ -447,9 +460,11 @@ def store_groups(cur: Any, groups: Sequence[Group], *, optimistic: bool = False,
                     # a rejection names every failed item: conflicts with storage too
                     new, pending = _plan(cur, groups)
                 if new:
-                    start = _write(cur, new, settings)
+                    start = _write(cur, new, settings, remembered)
                     for result, slot in pending:
                         result.log_index = start + slot
+                elif remembered:  # answered "existing" only to credentials as remembered
+                    credentials.check(cur, remembered)
             return
         except psycopg.errors.UniqueViolation:
             # another process stored one of these request_ids after _plan read: classify
@@ -492,19 +507,22 @@ class GroupCommit:
         self._busy = False                     # a leader is storing, or about to
         self._conn: Connection | None = None   # the leader's; kept between statements
 
-    def submit(self, group: Group) -> Future[None]:
+    def submit(self, group: Group, *, here: bool = True) -> Future[None]:
         """Queue ``group``; when nobody leads, this thread leads (stores it and whatever
-        else is waiting, until nothing is) before returning. The future is done once the
-        group was stored (``group.report`` set) or failed (its exception); it is running
-        from the start, so a caller that stops waiting cannot cancel it (what is queued
-        is stored all the same)."""
+        else is waiting, until nothing is) before returning, or with ``here`` off another
+        thread does (``spawn``'s: the caller is an event loop, which must not wait for the
+        database). The future is done once the group was stored (``group.report`` set) or
+        failed (its exception); it is running from the start, so a caller that stops
+        waiting cannot cancel it (what is queued is stored all the same)."""
         ticket = _Ticket(group)
         with self._lock:
             self._waiting.append(ticket)
             lead = not self._busy
             self._busy = True
-        if lead:
+        if lead and here:
             self._hand_over()
+        elif lead:
+            self._lead_elsewhere()
         return ticket.stored
 
     def store(self, group: Group) -> None:
@@ -550,8 +568,8 @@ class GroupCommit:
         return True
 
     def _lead_elsewhere(self) -> None:
-        """Lead what waits from another thread (this one is raising): ``spawn``'s, or
-        one of its own when there is none or it refuses."""
+        """Lead what waits from another thread (this one is raising, or must not wait):
+        ``spawn``'s, or one of its own when there is none or it refuses."""
         if self._spawn is not None:
             try:
                 self._spawn(self._hand_over)
@@ -587,21 +605,10 @@ class GroupCommit:
     def _flush(self, batch: list[_Ticket]) -> None:
         try:
             with raw_cursor(self._connection()) as cur:
-                batch = _current(cur, batch)
-                if not batch:
-                    return
                 try:
-                    store_groups(cur, [t.group for t in batch], optimistic=True,
-                                 settings=self.settings)
-                except psycopg.errors.DataError:
-                    if len(batch) == 1:
-                        raise
-                    for t in batch:  # one group's bad value fails that group only
-                        try:
-                            store_groups(cur, [t.group], settings=self.settings)
-                        except psycopg.errors.DataError as exc:
-                            t.error = exc
-                        t.settled = True  # committed (or failed) on its own: told so
+                    self._store(cur, batch, check=True)
+                except SequenceRefused:  # a remembered key changed: find which, store the rest
+                    self._store(cur, _current(cur, batch), check=False)
         except BaseException as exc:
             for t in batch:  # not the groups stored one by one before the failure
                 if not t.settled:
@@ -613,10 +620,32 @@ class GroupCommit:
             if not isinstance(exc, Exception):
                 raise
 
+    def _store(self, cur: Any, batch: list[_Ticket], *, check: bool) -> None:
+        """Store ``batch`` in one statement; when a bad value in one group fails it with a
+        ``DataError``, one statement per group, each settled with its own outcome (one
+        whose remembered credentials changed: :class:`StaleCredentials`)."""
+        if not batch:
+            return
+        try:
+            store_groups(cur, [t.group for t in batch], optimistic=True,
+                         settings=self.settings, check=check)
+        except psycopg.errors.DataError:
+            if len(batch) == 1:
+                raise
+            for t in batch:  # one group's bad value fails that group only
+                try:
+                    store_groups(cur, [t.group], settings=self.settings, check=check)
+                except psycopg.errors.DataError as exc:
+                    t.error = exc
+                except SequenceRefused:
+                    t.error = StaleCredentials()
+                t.settled = True  # committed (or failed) on its own: told so
+
 
 def _current(cur: Any, batch: list[_Ticket]) -> list[_Ticket]:
-    """The tickets to store now: a group admitted from memory whose keys are no longer as
-    remembered (:func:`ledger.services.credentials.stale`) is not stored but settled with
+    """After the storing statement refused ``batch``: the tickets to store now. A group
+    admitted from memory whose keys are no longer as remembered
+    (:func:`ledger.services.credentials.stale`) is not stored but settled with
     :class:`~ledger.services.credentials.StaleCredentials`, for its request to be taken
     again with fresh reads."""
     held = [t for t in batch if t.group.remembered is not None]
@@ -700,7 +729,9 @@ def submit_admitted(keys: KeyLoader, raw: bytes, settings: Settings, *,
     :class:`~ledger.services.credentials.CredentialCache`): None, with nothing handed
     over, when it fails to decode, verify or validate, or names a key not remembered
     (``keys`` raises :class:`~ledger.services.credentials.NotRemembered`), for the
-    request to be answered from fresh reads."""
+    request to be answered from fresh reads. Reads nothing and never stores in this
+    thread (another leads: ``GroupCommit.submit``'s ``here``), so an event loop may call
+    it."""
     try:
         prepared, failures = decode_items([raw], settings, keys)
     except NotRemembered:
@@ -708,7 +739,7 @@ def submit_admitted(keys: KeyLoader, raw: bytes, settings: Settings, *,
     if failures:
         return None
     group = Group(prepared, failures, False, remembered=remembered)
-    return Submitted(group, group_commit.submit(group))
+    return Submitted(group, group_commit.submit(group, here=False))
 
 
 def _report_of(group: Group) -> IngestReport:

@@ -34,17 +34,18 @@ def lock(cur: Any) -> int:
 
 
 def append(cur: Any, leaves: Sequence[tuple[str, str, str]], records: str = "",
-           params: Mapping[str, Any] | None = None) -> list[int]:
+           params: Mapping[str, Any] | None = None, guard: str = "") -> list[int]:
     """Sequence log entries for (kind, ref, dsse_sha256 hex) in one statement, with the
     ``records`` CTEs that store what they name (each reads ``seq.start``); returns their
-    indices. A failed statement sequences nothing."""
+    indices. A failed statement sequences nothing; so does one whose ``guard`` CTE is
+    false (:class:`ledger.log.store.SequenceRefused`)."""
     if not leaves:
         return []
     rows = []
     for kind, ref, digest in leaves:
         entry = log_entry_bytes(kind, ref, digest)
         rows.append((kind, ref, entry, leaf_hash(entry)))
-    start = store.sequence(cur, rows, records, params)
+    start = store.sequence(cur, rows, records, params, guard)
     return list(range(start, start + len(leaves)))
 
 
