@@ -1,11 +1,15 @@
 """Options of the app as built: FastAPI's native OpenTelemetry only when asked for
-(``LEDGER_OTEL``), since when on it asks the global providers on every request."""
+(``LEDGER_OTEL``), since when on it asks the global providers on every request; the
+garbage collector tuned while the app serves, and put back after."""
 
 from __future__ import annotations
 
-import pytest
+import gc
 
-from ledger.api.app import create_app
+import pytest
+from fastapi.testclient import TestClient
+
+from ledger.api.app import YOUNG_COLLECTION_EVERY, create_app
 from ledger.settings import Settings
 from tests.helpers import TEST_PEPPER
 
@@ -21,3 +25,19 @@ def test_native_telemetry_only_when_asked_for(db_url: str, otel: bool) -> None:
             assert app._native_telemetry.enabled() is False
     finally:
         app.state.engine.dispose()
+
+
+def test_the_collector_is_tuned_while_serving(db_url: str) -> None:
+    before = gc.get_threshold()
+    assert before[0] != YOUNG_COLLECTION_EVERY
+    app = create_app(Settings(database_url=db_url, api_key_pepper=TEST_PEPPER,
+                              metrics_port=0))
+    try:
+        with TestClient(app) as client:
+            assert client.get("/healthz").status_code == 200
+            assert gc.get_threshold() == (YOUNG_COLLECTION_EVERY, *before[1:])
+            assert gc.get_freeze_count() > 0
+    finally:
+        app.state.engine.dispose()
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
