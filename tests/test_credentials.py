@@ -118,17 +118,27 @@ def _change(setup: Setup, what: str) -> None:
             apikeys.change_api_key_role(s, str(key.id), "reviewer")
         elif what == "producer key revoked":
             key_service.revoke_key(s, keyid, "rotated")
-        elif what == "producer key expires":  # another time at each call
+        elif what == "api key name":
+            s.execute(text("UPDATE api_keys SET name = name || '-renamed' "
+                           "WHERE role = 'ingester'"))
+        elif what.startswith("producer key"):  # not_after: another time at each call
+            until = None if what == "producer key never expires" else \
+                datetime.now(UTC) + timedelta(days=1)
             s.execute(text("UPDATE signing_keys SET not_after = :t WHERE keyid = :k"),
-                      {"t": datetime.now(UTC) + timedelta(days=1), "k": keyid})
+                      {"t": until, "k": keyid})
 
 
-@pytest.mark.parametrize("what", ["api key revoked", "api key role", "producer key revoked",
-                                  "producer key expires"])
-def test_a_changed_row_is_stale(setup: Setup, what: str) -> None:
+@pytest.mark.parametrize("what,first", [
+    ("api key revoked", None), ("api key role", None), ("api key name", None),
+    ("producer key revoked", None),
+    ("producer key expires", None),                          # not_after NULL -> a time
+    ("producer key expires", "producer key expires"),        # a time -> another
+    ("producer key never expires", "producer key expires"),  # a time -> NULL
+])
+def test_a_changed_row_is_stale(setup: Setup, what: str, first: str | None) -> None:
     body = setup.body()
-    if what == "producer key expires":  # remembered with a not_after set: equal, then not
-        _change(setup, what)
+    if first is not None:  # remembered with this change made first: equal, then not
+        _change(setup, first)
     setup.read_fresh(setup.keys["ingester"], body)
     admitted = setup.admit(setup.keys["ingester"], body)
     assert admitted is not None

@@ -267,3 +267,39 @@ def test_a_leader_that_raises_leaves_the_waiting_groups_a_leader(db_url: str) ->
         gc.close()
         engine.dispose()
     assert [r[0] for r in rows(db_url)] == [0]
+
+
+@pytest.mark.parametrize("spawn", ["refuses", "none", "no threads at all"])
+def test_a_submit_that_must_not_lead_here_still_gets_a_leader(
+        db_url: str, spawn: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``submit(here=False)`` with nobody leading (an event loop's submit): a thread of
+    its own leads when ``spawn`` refuses or there is none; with no thread to be had at
+    all, this thread leads after all rather than leave the group (and every later one)
+    without a leader."""
+    _, producer = provision(db_url)
+    settings = Settings(database_url=db_url)
+    engine = make_engine(settings, pool_size=1)
+
+    def refuse(_: Any) -> None:
+        raise RuntimeError("cannot schedule new futures after shutdown")
+
+    gc = ingest.GroupCommit(make_engine(settings, pool_size=1),
+                            spawn=None if spawn == "none" else refuse)
+    if spawn == "no threads at all":
+        def no_thread(self: threading.Thread) -> None:
+            raise RuntimeError("can't start new thread")
+        monkeypatch.setattr(threading.Thread, "start", no_thread)
+    try:
+        g = group(engine, settings, [signed(statement(), producer)])
+        future = gc.submit(g, here=False)
+        assert future.result(30) is None
+        assert g.report is not None and g.report.results[0].log_index == 0
+        deadline = time.monotonic() + 30
+        while gc._busy:  # the leader lets go once nothing waits
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        monkeypatch.undo()
+        gc.close()
+        engine.dispose()
+    assert [r[0] for r in rows(db_url)] == [0]

@@ -271,9 +271,10 @@ def output_digest(token_ids: list[int]) -> str:
     """SHA-256 of the output token IDs written as ``[1,2,3]`` (RFC 8785 form of the list).
     orjson writes a list of plain ints exactly so (~20x faster than joining ``str`` of
     each: 11 -> 3 us for 128 tokens, on the ingest path); anything else (a bool, an int
-    subclass, a NumPy integer, an int beyond 64 bits) is written by ``str`` as before."""
+    subclass, a NumPy integer, an int beyond 64 bits; a sequence not a list) is written by
+    ``str`` as before."""
     text = None
-    if set(map(type, token_ids)) <= {int}:
+    if type(token_ids) is list and set(map(type, token_ids)) <= {int}:
         with contextlib.suppress(orjson.JSONEncodeError):  # beyond 64 bits
             text = orjson.dumps(token_ids)
     if text is None:

@@ -15,7 +15,8 @@ being stored, and only by a statement that found its rows unchanged:
   the sequencer lock), so a revocation committed before that statement started takes
   effect; with a fresh read per request the window was longer (from the read to the
   storing statement). When the condition fails, the leader finds which requests are
-  stale (:func:`stale`, one statement), sends those back and stores the others.
+  stale (:func:`stale`, one statement), sends those back and stores the others, by a
+  statement that checks them again.
 
 On the 2-core VM this saves one round trip per POST and the leader's separate check
 statement (``benchmarks/ingest.py``, issue 17).

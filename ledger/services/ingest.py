@@ -432,15 +432,15 @@ _ATTEMPTS = 5
 
 
 def store_groups(cur: Any, groups: Sequence[Group], *, optimistic: bool = False,
-                 settings: Settings | None = None, check: bool = True) -> None:
+                 settings: Settings | None = None) -> None:
     """Classify and store ``groups`` (each gets its report). ``cur`` is either in
     autocommit (the statement commits as it runs: :class:`GroupCommit`) or inside the
     caller's transaction (a savepoint then undoes a lost race).
 
     Groups admitted with remembered credentials are stored only if those are as
-    remembered (unless ``check`` is off: the caller just checked them), tested by the
-    storing statement itself, or by a statement of its own when nothing is new; if not,
-    nothing is stored and :class:`~ledger.log.store.SequenceRefused` is raised.
+    remembered, tested by the storing statement itself, or by a statement of its own when
+    nothing is new; if not, nothing is stored and
+    :class:`~ledger.log.store.SequenceRefused` is raised.
 
     ``optimistic``: the first attempt takes every request_id for new without reading
     storage (one round trip instead of two, for the common case of new envelopes); a
@@ -448,7 +448,7 @@ def store_groups(cur: Any, groups: Sequence[Group], *, optimistic: bool = False,
     An atomic batch is only ever rejected on a classification that read storage."""
     conn = cur.connection
     sealing = settings is not None and settings.kek_file is not None
-    remembered = [g.remembered for g in groups if g.remembered is not None] if check else []
+    remembered = [g.remembered for g in groups if g.remembered is not None]
     for attempt in range(_ATTEMPTS):
         try:  # autocommit: one statement, unless sealing (a transaction of its own then)
             with conn.transaction() if sealing or not conn.autocommit else nullcontext():
@@ -519,10 +519,13 @@ class GroupCommit:
             self._waiting.append(ticket)
             lead = not self._busy
             self._busy = True
+        if lead and not here:
+            try:
+                self._lead_elsewhere()
+            except RuntimeError:  # no thread could be started: lead here after all
+                here = True
         if lead and here:
             self._hand_over()
-        elif lead:
-            self._lead_elsewhere()
         return ticket.stored
 
     def store(self, group: Group) -> None:
@@ -605,10 +608,19 @@ class GroupCommit:
     def _flush(self, batch: list[_Ticket]) -> None:
         try:
             with raw_cursor(self._connection()) as cur:
-                try:
-                    self._store(cur, batch, check=True)
-                except SequenceRefused:  # a remembered key changed: find which, store the rest
-                    self._store(cur, _current(cur, batch), check=False)
+                todo = batch
+                for _ in range(_ATTEMPTS):
+                    try:
+                        self._store(cur, todo)
+                        return
+                    except SequenceRefused:  # a remembered key changed: find which, store
+                        todo = _current(cur, todo)  # the rest (checked again as it is stored)
+                # still refused (the rows keep changing): every request admitted from
+                # memory takes the fresh path; the others are stored
+                for t in todo:
+                    if t.group.remembered is not None:
+                        t.error, t.settled = StaleCredentials(), True
+                self._store(cur, [t for t in todo if not t.settled])
         except BaseException as exc:
             for t in batch:  # not the groups stored one by one before the failure
                 if not t.settled:
@@ -620,21 +632,22 @@ class GroupCommit:
             if not isinstance(exc, Exception):
                 raise
 
-    def _store(self, cur: Any, batch: list[_Ticket], *, check: bool) -> None:
-        """Store ``batch`` in one statement; when a bad value in one group fails it with a
+    def _store(self, cur: Any, batch: list[_Ticket]) -> None:
+        """Store ``batch`` in one statement (:class:`SequenceRefused` if a remembered key
+        changed: nothing stored); when a bad value in one group fails it with a
         ``DataError``, one statement per group, each settled with its own outcome (one
         whose remembered credentials changed: :class:`StaleCredentials`)."""
         if not batch:
             return
         try:
             store_groups(cur, [t.group for t in batch], optimistic=True,
-                         settings=self.settings, check=check)
+                         settings=self.settings)
         except psycopg.errors.DataError:
             if len(batch) == 1:
                 raise
             for t in batch:  # one group's bad value fails that group only
                 try:
-                    store_groups(cur, [t.group], settings=self.settings, check=check)
+                    store_groups(cur, [t.group], settings=self.settings)
                 except psycopg.errors.DataError as exc:
                     t.error = exc
                 except SequenceRefused:

@@ -9,7 +9,7 @@ import gc
 import pytest
 from fastapi.testclient import TestClient
 
-from ledger.api.app import YOUNG_COLLECTION_EVERY, create_app
+from ledger.api.app import YOUNG_COLLECTION_EVERY, collecting_less, create_app
 from ledger.settings import Settings
 from tests.helpers import TEST_PEPPER
 
@@ -39,5 +39,17 @@ def test_the_collector_is_tuned_while_serving(db_url: str) -> None:
             assert gc.get_freeze_count() > 0
     finally:
         app.state.engine.dispose()
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
+
+
+def test_overlapping_lifespans_restore_the_collector_when_the_last_leaves() -> None:
+    before = gc.get_threshold()
+    first, second = collecting_less(), collecting_less()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # not in reverse order
+    assert gc.get_threshold()[0] == YOUNG_COLLECTION_EVERY
+    second.__exit__(None, None, None)
     assert gc.get_threshold() == before
     assert gc.get_freeze_count() == 0
