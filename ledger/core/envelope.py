@@ -22,6 +22,7 @@ from pydantic import (
     Field,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     model_validator,
 )
 
@@ -52,7 +53,19 @@ RequestId = Annotated[
         description="Caller's unique request ID: 1-200 of A-Z a-z 0-9 . _ : @ + = -",
     ),
 ]
-TokenId = Annotated[int, Field(ge=0, description="a token ID; at most the ledger's max_token_id")]
+_ID_DESCRIPTION = "a token ID; at most the ledger's max_token_id"
+TokenId = Annotated[int, Field(ge=0, description=_ID_DESCRIPTION)]
+#: The items of the token lists (prompt, output, stop tokens) and of the logits digests:
+#: published with :data:`TokenId`'s and :data:`Sha256Hex`'s JSON Schema, but their bounds
+#: and pattern are checked once per list by :meth:`EnvelopePredicate._check_limits`
+#: (``min``/``max``, one join and a byte translation, in C) instead of item by item by
+#: pydantic: 23 -> 8 us for 512 prompt tokens and 22 -> 8 us for 128 digests, on the
+#: ingest path. Only inside those lists: anywhere else use TokenId and Sha256Hex.
+_ListedTokenId = Annotated[int, WithJsonSchema(
+    {"description": _ID_DESCRIPTION, "minimum": 0, "type": "integer"})]
+_ListedSha256Hex = Annotated[str, WithJsonSchema(
+    {"description": "lowercase hex SHA-256", "pattern": SHA256_HEX_PATTERN, "type": "string"})]
+_LOWER_HEX = b"0123456789abcdef"
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False)]
 DataSubject = Annotated[str, Field(
     pattern=r"^[A-Za-z0-9._:@+=-]{1,200}$",
@@ -112,7 +125,7 @@ class Sampling(_Model):
     max_tokens: int = Field(ge=1, description="at most the ledger's max_output_tokens")
     seed: int | None = Field(default=None, ge=0, le=2**53 - 1,
                              description="I-JSON safe integer (RFC 7493): at most 2**53 - 1")
-    stop_token_ids: list[TokenId] = Field(default_factory=list, max_length=1024)
+    stop_token_ids: list[_ListedTokenId] = Field(default_factory=list, max_length=1024)
     ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, description="top-k logprobs recorded per step")
 
@@ -175,12 +188,12 @@ class TopLogprob(_Model):
 
 
 class Output(_Model):
-    token_ids: list[TokenId]
+    token_ids: list[_ListedTokenId]
     finish_reason: Literal["stop", "length", "abort"]
     logprobs: list[FiniteFloat] | None = Field(
         default=None, description="chosen token's logprob per step (same length as token_ids)")
     top_logprobs: list[list[TopLogprob]] | None = None
-    logits_sha256: list[Sha256Hex] | None = Field(
+    logits_sha256: list[_ListedSha256Hex] | None = Field(
         default=None, description="SHA-256 of the fp32 logits row per step, little-endian")
 
 
@@ -196,7 +209,7 @@ class EnvelopePredicate(_Model):
     tier: Literal["bitwise", "token", "tolerance"]
     tolerance: Tolerance | None = None
     artifacts: Artifacts
-    prompt_token_ids: list[TokenId] = Field(min_length=1)
+    prompt_token_ids: list[_ListedTokenId] = Field(min_length=1)
     sampling: Sampling
     runtime: Runtime
     output: Output
@@ -224,6 +237,8 @@ class EnvelopePredicate(_Model):
             seq = getattr(self.output, name)
             if seq is not None and len(seq) != n:
                 raise ValueError(f"output.{name} has {len(seq)} entries for {n} output tokens")
+        if self.output.logits_sha256 is not None:
+            _check_digests(self.output.logits_sha256, "output.logits_sha256")
         if self.output.top_logprobs is not None:
             for step in self.output.top_logprobs:
                 if len(step) > limits.max_top_logprobs:
@@ -241,6 +256,18 @@ def _check_tokens(ids: list[int], max_len: int, max_id: int, name: str) -> None:
         raise ValueError(f"{name} has {len(ids)} tokens; the limit is {max_len}")
     if ids and max(ids) > max_id:
         raise ValueError(f"{name} holds token ID {max(ids)} above the limit {max_id}")
+    if ids and min(ids) < 0:
+        raise ValueError(f"{name} holds token ID {min(ids)}; token IDs are at least 0")
+
+
+def _check_digests(digests: list[str], name: str) -> None:
+    """Every item 64 characters of lowercase hex (:data:`SHA256_HEX_PATTERN`)."""
+    joined = "".join(digests)
+    if (set(map(len, digests)) - {64} or not joined.isascii()
+            or joined.encode().translate(None, _LOWER_HEX)):
+        bad = next(i for i, d in enumerate(digests)
+                   if len(d) != 64 or not d.isascii() or d.encode().translate(None, _LOWER_HEX))
+        raise ValueError(f"{name}[{bad}] is not a lowercase hex SHA-256")
 
 
 class EnvelopeStatement(_Model):
