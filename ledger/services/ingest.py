@@ -661,11 +661,9 @@ def _current(cur: Any, batch: list[_Ticket]) -> list[_Ticket]:
     (:func:`ledger.services.credentials.stale`) is not stored but settled with
     :class:`~ledger.services.credentials.StaleCredentials`, for its request to be taken
     again with fresh reads."""
-    held = [t for t in batch if t.group.remembered is not None]
-    if not held:
-        return batch
-    changed = stale(cur, [t.group.remembered for t in held if t.group.remembered])
-    for t, is_stale in zip(held, changed, strict=True):
+    held = [(t, t.group.remembered) for t in batch if t.group.remembered is not None]
+    changed = stale(cur, [r for _, r in held])  # (a refusal needs one: held is not empty)
+    for (t, _), is_stale in zip(held, changed, strict=True):
         if is_stale:
             t.error, t.settled = StaleCredentials(), True
     return [t for t in batch if not t.settled]
