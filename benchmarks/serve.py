@@ -38,6 +38,7 @@ latency p95 (gaps between a request's consecutive tokens), prefix-cache hit shar
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import json
 import os
@@ -152,25 +153,75 @@ def run_reference(engine: Any, args: argparse.Namespace, rate: float) -> dict[st
 # ---------------------------------------------------------------------- over HTTP
 def run_http(url: str, model: str, vocab: int, args: argparse.Namespace, rate: float,
              target: str) -> dict[str, Any]:
+    """``plan``'s requests against an OpenAI-compatible server, streamed token-ID
+    completions. ``--client async`` (default): one asyncio loop and one pooled
+    ``httpx.AsyncClient``, as load generators such as vLLM's ``bench serve`` work.
+    ``--client threads``: a thread and a fresh ``httpx.Client`` per request (what this
+    benchmark used before 2026-12-02). A fresh ``httpx.Client`` costs ~55 ms of CPU under
+    the GIL on the 2-core development VM (its TLS context), while the other threads are
+    timing their tokens: at 64 requests/s that is more than a core, so that client itself
+    delayed first tokens and stretched the run, for every server it measured."""
+    plan = workload(args, vocab, rate)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    if args.client == "threads":
+        timings = _http_threads(url, model, args, plan)
+    else:
+        timings = asyncio.run(_http_async(url, model, args, plan))
+    # the client's own CPU share of one core: near 1.0, its timestamps lag the server
+    client_cpu = (time.process_time() - cpu0) / max(1e-9, time.perf_counter() - wall0)
+    return summarize(target, rate, timings,
+                     {"client": args.client, "client_cpu": round(client_cpu, 2)})
+
+
+def _body(model: str, args: argparse.Namespace, prompt: tuple[int, ...]) -> dict[str, Any]:
+    return {"model": model, "prompt": list(prompt), "max_tokens": args.new,
+            "temperature": 0.0, "ignore_eos": True, "stream": True}
+
+
+def _is_token(line: str) -> bool:
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return False
+    return bool(json.loads(line[6:]).get("choices"))
+
+
+async def _http_async(url: str, model: str, args: argparse.Namespace,
+                      plan: list[tuple[float, tuple[int, ...]]]) -> list[Timing]:
     import httpx
 
-    plan = workload(args, vocab, rate)
+    timings = [Timing(arrival=0.0) for _ in plan]
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        start = time.perf_counter() + 0.2
+
+        async def one(i: int, offset: float, prompt: tuple[int, ...]) -> None:
+            await asyncio.sleep(max(0.0, start + offset - time.perf_counter()))
+            timings[i].arrival = time.perf_counter()
+            async with client.stream("POST", "/v1/completions",
+                                     json=_body(model, args, prompt)) as resp:
+                resp.raise_for_status()
+                async for line in resp.aiter_lines():
+                    if _is_token(line):
+                        timings[i].tokens.append(time.perf_counter())
+
+        await asyncio.gather(*(one(i, off, p) for i, (off, p) in enumerate(plan)))
+    return timings
+
+
+def _http_threads(url: str, model: str, args: argparse.Namespace,
+                  plan: list[tuple[float, tuple[int, ...]]]) -> list[Timing]:
+    import httpx
+
     timings = [Timing(arrival=0.0) for _ in plan]
     start = time.perf_counter() + 0.2
 
     def one(i: int, offset: float, prompt: tuple[int, ...]) -> None:
         time.sleep(max(0.0, start + offset - time.perf_counter()))
         timings[i].arrival = time.perf_counter()
-        body = {"model": model, "prompt": list(prompt), "max_tokens": args.new,
-                "temperature": 0.0, "ignore_eos": True, "stream": True}
         with httpx.Client(timeout=600) as client, client.stream(
-                "POST", f"{url}/v1/completions", json=body) as resp:
+                "POST", f"{url}/v1/completions", json=_body(model, args, prompt)) as resp:
             resp.raise_for_status()
             for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices"):
+                if _is_token(line):
                     timings[i].tokens.append(time.perf_counter())
 
     threads = [threading.Thread(target=one, args=(i, off, p)) for i, (off, p) in
@@ -179,7 +230,7 @@ def run_http(url: str, model: str, vocab: int, args: argparse.Namespace, rate: f
         t.start()
     for t in threads:
         t.join()
-    return summarize(target, rate, timings, {})
+    return timings
 
 
 def serve_child(args: argparse.Namespace) -> None:
@@ -251,7 +302,7 @@ def start_vllm(model: str, variant: str, port: int, args: argparse.Namespace
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("target", "rate/s", "done", "new tok/s", "TTFT p50 s", "TTFT p95 s",
-            "ITL p95 ms", "prefix hits")
+            "ITL p95 ms", "prefix hits", "client CPU")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         def f(v: Any, scale: float = 1.0, fmt: str = ".3f") -> str:
@@ -259,7 +310,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append("| " + " | ".join([
             r["target"], f"{r['rate']:g}", f"{r['completed']}/{r['requests']}",
             f(r["new_tok_s"], fmt=".0f"), f(r["ttft_p50_s"]), f(r["ttft_p95_s"]),
-            f(r["itl_p95_s"], 1000, ".1f"), str(r.get("prefix_hit_share", "-"))]) + " |")
+            f(r["itl_p95_s"], 1000, ".1f"), str(r.get("prefix_hit_share", "-")),
+            f(r.get("client_cpu"), fmt=".2f")]) + " |")
     return "\n".join(lines)
 
 
@@ -284,6 +336,8 @@ def main() -> None:
     parser.add_argument("--switch-interval", type=float, default=None,
                         help="serve: the server's thread switch interval, s (default: "
                              "workers.serve.app.SWITCH_INTERVAL_S)")
+    parser.add_argument("--client", choices=["async", "threads"], default="async",
+                        help="HTTP load generator (see run_http)")
     parser.add_argument("--url", default=None, help="also measure this running server")
     parser.add_argument("--url-model", default="tiny-demo")
     parser.add_argument("--vllm-model", default=None)

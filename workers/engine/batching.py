@@ -125,8 +125,9 @@ class ContinuousBatcher:
         self._active: list[_Sequence] = []          # _active[s] lives in cache slot s
         self._retiring: list[_Sequence] = []        # finished, digests still hashing
         self._done: list[Finished] = []
-        # A decode step already run for the next step: (logits [B, V], decoding slots).
-        self._launched: tuple[Tensor, list[int]] | None = None
+        # A decode step already run for the next step: (logits [B, V], decoding slots,
+        # the logits row of each of those slots: the slot itself unless slots moved since).
+        self._launched: tuple[Tensor, list[int], Sequence[int]] | None = None
         # Its inputs on the device (tokens, positions [B]); when every running request was
         # in it, the next step's feed is the sampled tokens at positions + 1 (no host copy).
         self._feed: tuple[Tensor, Tensor] | None = None
@@ -238,8 +239,8 @@ class ContinuousBatcher:
             return
         group = list(self._waiting)[:room]
         if self._launched is not None:     # the cache (and its graphs' buffers) may be
-            logits, decoding = self._launched                 # replaced below: own a copy
-            self._launched = (logits.clone(), decoding)
+            logits, decoding, logit_rows = self._launched     # replaced below: own a copy
+            self._launched = (logits.clone(), decoding, logit_rows)
         # Slots for the whole batch at once (static: this group), so the cache (and on
         # CUDA its graph set) is not regrown one slot at a time.
         engine._ensure_cache(len(group) if self.static else self.max_batch,
@@ -327,10 +328,10 @@ class ContinuousBatcher:
         rows: list[int] = []
         parts: list[Tensor] = []
         if launched is not None:
-            logits, decoding = launched
+            logits, decoding, logit_rows = launched
             rows += decoding
-            parts.append(logits[torch.tensor(decoding).to(dev, non_blocking=True)]
-                         if len(decoding) < logits.shape[0] else logits)
+            parts.append(logits if logit_rows == range(logits.shape[0]) else
+                         logits[torch.tensor(logit_rows).to(dev, non_blocking=True)])
         if ready:
             rows += [slot for slot, _ in ready]
             parts.append(torch.stack([row for _, row in ready]))
@@ -350,7 +351,26 @@ class ContinuousBatcher:
         top = self._top_logprobs(seqs, logprobs) if self._want_top else None
         self._sampler.record(chosen, sampler_rows)
         # The step's one device->host sync: token ids and logprob bits together.
-        host = torch.stack([chosen, chosen_lp.view(torch.int32).to(torch.int64)]).cpu()
+        both = torch.stack([chosen, chosen_lp.view(torch.int32).to(torch.int64)])
+        # (not when every row ends now anyway: its budget spent, or aborted)
+        fast = whole and feed is not None and not all(
+            n + 1 >= seq.budget or seq.aborted for seq, n in zip(seqs, steps, strict=True))
+        if fast:
+            # Launch the next step before the sync (async scheduling, as vLLM's): every
+            # running request, fed from the device (the sampled tokens at the next
+            # positions), so the device goes from this step's sampling straight into the
+            # next forward while the host waits for the tokens and does the bookkeeping
+            # below. A request that finishes now rides along in it once; its row is
+            # dropped (``_ahead_retire``), and its one extra k/v write lands at a
+            # position it never reads (< its prompt + budget, inside its slot).
+            assert feed is not None
+            host = both.to("cpu", non_blocking=True)              # pinned: really async
+            copied = engine._event()
+            self._launch(list(range(len(self._active))), chosen, feed[1] + 1)
+            if copied is not None:
+                copied.synchronize()
+        else:
+            host = both.cpu()
         token_ids = host[0].tolist()
         token_lps = host[1].to(torch.int32).view(torch.float32).tolist()
         now = time.perf_counter()
@@ -358,21 +378,8 @@ class ContinuousBatcher:
         finished = [slot for slot, seq, token, n in zip(rows, seqs, token_ids, steps,
                                                         strict=True)
                     if token in seq.stops or n + 1 >= seq.budget or seq.aborted]
-        fast = whole and feed is not None
-        if fast:
-            # Launch the next step before the host bookkeeping below (which it overlaps on
-            # CUDA), fed from the device: the sampled tokens at the next positions.
-            assert feed is not None
-            tokens, positions = chosen, feed[1] + 1
-            if finished:
-                kept = self._retire(finished)
-                if kept and kept != list(range(len(kept))):
-                    index = torch.tensor(kept).to(dev, non_blocking=True)
-                    tokens, positions = tokens[index], positions[index]
-                else:
-                    tokens, positions = tokens[:len(kept)], positions[:len(kept)]
-            if self._active:
-                self._launch(list(range(len(self._active))), tokens, positions)
+        if fast and finished:
+            self._ahead_retire(finished)
         digests = _StepDigests(self._digester.start(staged))   # type: ignore[arg-type]
         stats.generated_tokens += len(rows)
         for r, (seq, token, lp) in enumerate(zip(seqs, token_ids, token_lps, strict=True)):
@@ -430,7 +437,9 @@ class ContinuousBatcher:
         engine = self.engine
         cache = engine._cache
         assert cache is not None
-        self._launched = (engine._decode(cache, tokens, positions), decoding)  # [B, V]
+        logits = engine._decode(cache, tokens, positions)                    # [B, V]
+        self._launched = (logits, decoding, range(logits.shape[0]) if
+                          decoding == list(range(logits.shape[0])) else decoding)
         self._feed = (tokens, positions)
         engine.stats.decode_steps += 1
 
@@ -450,6 +459,22 @@ class ContinuousBatcher:
                                               strict=True):
             out[r] = list(zip(row_ids[:k], row_values[:k], strict=True))
         return out
+
+    def _ahead_retire(self, finished: list[int]) -> None:
+        """Retire ``finished`` after the next step was launched with every running row:
+        that step's logits and feed are in the old slot order, so keep the rows of the
+        requests that stay, in their new slot order (the slot moves are queued after the
+        launched step, so it wrote the movers' k/v where the moves copy it from)."""
+        kept = self._retire(finished)
+        assert self._launched is not None and self._feed is not None
+        if not kept:
+            self._launched = self._feed = None
+            return
+        logits, _, _ = self._launched
+        tokens, positions = self._feed
+        index = torch.tensor(kept).to(self.engine.device, non_blocking=True)
+        self._launched = (logits, list(range(len(kept))), kept)
+        self._feed = (tokens[index], positions[index])
 
     def _retire(self, finished: list[int]) -> list[int]:
         """Remove finished slots; the last live slots move into the holes. Returns rows:

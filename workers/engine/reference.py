@@ -186,6 +186,15 @@ class ReferenceEngine:
             self._digest_ring = CudaDigestRing(self.device)
         return self._digest_ring
 
+    def _event(self) -> torch.cuda.Event | None:
+        """On CUDA, an event recorded now on the current stream (None on CPU, where
+        everything already happened)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return event
+
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
