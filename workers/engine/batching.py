@@ -292,15 +292,26 @@ class ContinuousBatcher:
         dev = engine.device
         ready: list[tuple[int, Tensor]] = []
         for group in groups:
-            tokens = torch.tensor([t for slot, p0, n in group
-                                   for t in self._active[slot].prompt[p0:p0 + n]], device=dev)
-            positions = torch.cat([torch.arange(p0, p0 + n, device=dev) for _, p0, n in group])
-            slots = torch.repeat_interleave(
-                torch.tensor([s for s, _, _ in group], device=dev),
-                torch.tensor([n for _, _, n in group], device=dev))
-            cu = torch.tensor([0, *(n for _, _, n in group)], device=dev).cumsum(0) \
-                .to(torch.int32)
-            logits = prefill(engine.model, cache, tokens, positions, slots, cu)   # [C, V]
+            # Inputs built on the host and sent in one copy that does not wait for the
+            # device, the chunk table from the same host values: the prefill's launches
+            # queue behind the decode step still running (no sync before the forward).
+            chunks, packed, bounds = [], 0, [0]
+            tokens_l: list[int] = []
+            positions_l: list[int] = []
+            slots_l: list[int] = []
+            for slot, p0, n in group:
+                chunks.append((slot, packed, n, p0))
+                packed += n
+                bounds.append(packed)
+                tokens_l += self._active[slot].prompt[p0:p0 + n]
+                positions_l += range(p0, p0 + n)
+                slots_l += [slot] * n
+            inputs = torch.tensor(tokens_l + positions_l + slots_l + bounds,
+                                  dtype=torch.int64).to(dev, non_blocking=True)
+            tokens, positions, slots = inputs[:3 * packed].view(3, packed)
+            cu = inputs[3 * packed:].to(torch.int32)
+            logits = prefill(engine.model, cache, tokens, positions, slots, cu,
+                             chunks)                                            # [C, V]
             for row, (slot, p0, n) in enumerate(group):
                 seq = self._active[slot]
                 seq.prefilled = p0 + n

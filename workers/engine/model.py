@@ -232,14 +232,16 @@ def _logits(model: Transformer, x: Tensor) -> Tensor:
 
 def prefill(
     model: Transformer, cache: KVCache, tokens: Tensor, positions: Tensor, slots: Tensor,
-    cu_seqlens: Tensor,
+    cu_seqlens: Tensor, chunks: list[tuple[int, int, int, int]] | None = None,
 ) -> Tensor:
     """Run packed prompt *chunks*, fill their cache slots; logits of each chunk's last token.
 
     tokens, positions, slots [T] int64; cu_seqlens [C+1] int32 delimits the chunks. A chunk
     is consecutive positions of one sequence (one slot); it may start past position 0 (the
     rest of a chunked prompt, or the suffix after a prefix-cache hit), in which case the
-    earlier positions are already in the cache. Returns fp32 [C, V].
+    earlier positions are already in the cache. Returns fp32 [C, V]. ``chunks``: the
+    caller's ``chunk_table`` of these inputs, from host values it has (then nothing here
+    waits for the device: on CUDA the launches queue behind a step still running).
 
     In batch-invariant mode every query attends over the slot's cache (its own k/v written
     first) with the decode attention kernel, KV in fixed blocks in a fixed order: a
@@ -248,11 +250,13 @@ def prefill(
     """
     cfg = model.config
     scale = cfg.head_dim ** -0.5
-    chunks = chunk_table(cu_seqlens, slots, positions)
+    if chunks is None:
+        chunks = chunk_table(cu_seqlens, slots, positions)
     whole = all(p0 == 0 for _, _, _, p0 in chunks)      # default mode may use flash SDPA
     fast_whole = whole and not ops.is_batch_invariant()
     x = model.embed[tokens]                                               # [T, hidden]
-    rope = model.rope(positions)
+    model.ensure_rope(max((p0 + n for _, _, n, p0 in chunks), default=0))
+    rope = model.rope_at(positions)
     for i, layer in enumerate(model.layers):
         q, k, v = _attention_qkv(
             model, layer, i, ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), rope,

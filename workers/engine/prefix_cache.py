@@ -109,7 +109,8 @@ class PrefixCache:
             return
         self._pool(cache)
         n = len(pages) * self.block_size
-        index = torch.tensor(pages, device=cache.k[0].device)
+        # (not torch.tensor(..., device=): its copy waits for the device; this one does not)
+        index = torch.tensor(pages).to(cache.k[0].device, non_blocking=True)
         for pool, live in ((self._k, cache.k), (self._v, cache.v)):
             for layer_pool, layer_cache in zip(pool, live, strict=True):
                 blocks = layer_pool[index]                               # [P, Hkv, bs, D]
@@ -138,8 +139,8 @@ class PrefixCache:
         if not new_blocks:
             return
         dev = cache.k[0].device
-        blocks = torch.tensor(new_blocks, device=dev)
-        pages = torch.tensor(new_pages, device=dev)
+        both = torch.tensor(new_blocks + new_pages).to(dev, non_blocking=True)
+        blocks, pages = both[:len(new_blocks)], both[len(new_blocks):]
         n = (new_blocks[-1] + 1) * bs
         for pool, live in ((self._k, cache.k), (self._v, cache.v)):
             for layer_pool, layer_cache in zip(pool, live, strict=True):
