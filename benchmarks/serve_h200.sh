@@ -2,7 +2,8 @@
 # Issue 16's serving measurements on one lent H200, in the order of one hold (see
 # benchmarks/RESULTS.md, "Serving on the H200"). Stage first, on a machine with the package
 # index: `bash scripts/stage_gpu_host.sh` (.gpu/) and `bash ../shared/gpu/stage_vllm.sh`
-# (.vl1/ .vl2/ .vl3/). Then one device call per step, each carrying what it names:
+# (.vl1/ .vl2/ .vl3/; if the tree plus one chunk exceeds a transfer, re-split the wheel into
+# 50 MiB parts in .vl1-.vl3 and its deps/, SHA256, SIZE in .vl4). One device call per step:
 #   tests  (carry .gpu)  the ledger stack; the GPU engine tests; benchmarks/engine.py
 #   ours   (carry .vl1)  serve.py: our engine in process and behind our HTTP server
 #   prep   (carry .vl2)  the checkpoint vLLM loads; our server with the old threaded client
@@ -35,7 +36,7 @@ case "${1:?step: tests, ours, prep or vllm}" in
       | tee "$OUT/threads.txt"
     ;;
   vllm)
-    bash .vl3/install_vllm_offline.sh | tail -1
+    for d in .vl3 .vl4; do [ -d "$d" ] && bash "$d"/install_vllm_offline.sh | tail -1; done
     serve --modes none --vllm-model "$CKPT" --vllm default,flag --out "$OUT/vllm" \
       2>"$OUT/vllm.log" | tee "$OUT/vllm.txt"
     ;;
