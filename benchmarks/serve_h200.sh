@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Issue 16's serving measurements on one lent H200, in the order of one hold (see
 # benchmarks/RESULTS.md, "Serving on the H200"). Stage first, on a machine with the package
-# index: `bash scripts/stage_gpu_host.sh` (.gpu/) and `bash ../shared/gpu/stage_vllm.sh`
-# (.vl1/ .vl2/ .vl3/; if the tree plus one chunk exceeds a transfer, re-split the wheel into
-# 50 MiB parts in .vl1-.vl3 and its deps/, SHA256, SIZE in .vl4). One device call per step:
-#   tests  (carry .gpu)  the ledger stack; the GPU engine tests; benchmarks/engine.py
-#   ours   (carry .vl1)  serve.py: our engine in process and behind our HTTP server
-#   prep   (carry .vl2)  the checkpoint vLLM loads; our server with the old threaded client
-#   vllm   (carry .vl3)  vLLM installed; `vllm serve` default and VLLM_BATCH_INVARIANT=1
+# index: `bash scripts/stage_gpu_host.sh` (.gpu/, ~12 MB) and `bash ../shared/gpu/stage_vllm.sh`;
+# a transfer carries at most 64 MiB with the tree (~8.4 MB), so re-split the wheel into parts
+# of 44, 54 and the rest (MB) in .vl1-.vl3, and move deps/, SHA256, SIZE to .vl4 (each folder
+# with install_vllm_offline.sh). One device call per step, issued back to back (the machine
+# is given back after 30 s idle):
+#   ours   (carry .gpu .vl1)  the ledger stack; serve.py: our engine in process and behind
+#                             our HTTP server
+#   prep   (carry .vl2)       the checkpoint vLLM loads
+#   stage  (carry .vl3)       one more chunk
+#   vllm   (carry .vl4)       vLLM installed; `vllm serve` default and VLLM_BATCH_INVARIANT=1
+#   tests  (carry .gpu)       the GPU engine tests; benchmarks/engine.py
+#   threads (no carry)        our server under the old threaded load generator
 # Logs go to $OUT (the device call's output folder) or ./serve-h200-out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,29 +21,36 @@ export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
 CKPT=/root/ckpt/llama3-8b-shape
 RATES=${RATES:-4,16,64}
 serve() { python3 benchmarks/serve.py --device cuda --rates "$RATES" --requests 64 "$@"; }
-case "${1:?step: tests, ours, prep or vllm}" in
-  tests)
-    bash .gpu/install.sh
+vl() { for d in .vl1 .vl2 .vl3 .vl4; do [ -d "$d" ] && bash "$d"/install_vllm_offline.sh | tail -1; done; }
+case "${1:?step: ours, prep, stage, vllm, tests or threads}" in
+  ours)
+    bash .gpu/install.sh >/dev/null
+    vl
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    serve --modes bi,serve --out "$OUT/ours" 2>"$OUT/ours.log" | tee "$OUT/ours.txt"
+    ;;
+  prep)
+    vl
+    python3 benchmarks/vllm.py weights --out "$CKPT" 2>&1 | tail -2
+    ;;
+  stage)
+    vl
+    ;;
+  vllm)
+    vl
+    serve --modes none --vllm-model "$CKPT" --vllm default,flag --out "$OUT/vllm" \
+      2>"$OUT/vllm.log" | tee "$OUT/vllm.txt"
+    ;;
+  tests)
+    bash .gpu/install.sh >/dev/null
     python3 -m pytest tests/engine/test_cuda_continuous.py tests/engine/test_cuda_invariance.py \
       tests/engine/test_cuda_kernels.py --noconftest -m gpu -q -p no:cacheprovider \
       2>&1 | tail -15 | tee "$OUT/gpu-tests.txt"
     python3 benchmarks/engine.py --device cuda --out "$OUT" 2>&1 | tail -20 | tee "$OUT/engine.txt"
     ;;
-  ours)
-    bash .vl1/install_vllm_offline.sh | tail -1
-    serve --modes bi,serve --out "$OUT/ours" 2>"$OUT/ours.log" | tee "$OUT/ours.txt"
-    ;;
-  prep)
-    bash .vl2/install_vllm_offline.sh | tail -1
-    python3 benchmarks/vllm.py weights --out "$CKPT" 2>&1 | tail -2
+  threads)
     RATES=64 serve --modes serve --client threads --out "$OUT/threads" 2>"$OUT/threads.log" \
       | tee "$OUT/threads.txt"
     ;;
-  vllm)
-    for d in .vl3 .vl4; do [ -d "$d" ] && bash "$d"/install_vllm_offline.sh | tail -1; done
-    serve --modes none --vllm-model "$CKPT" --vllm default,flag --out "$OUT/vllm" \
-      2>"$OUT/vllm.log" | tee "$OUT/vllm.txt"
-    ;;
-  *) echo "unknown step $1 (tests, ours, prep, vllm)" >&2; exit 2 ;;
+  *) echo "unknown step $1 (ours, prep, stage, vllm, tests, threads)" >&2; exit 2 ;;
 esac

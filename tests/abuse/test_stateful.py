@@ -64,6 +64,7 @@ class Tally:
         self.created_envelopes = 0
         self.created_disputes = 0
         self.dispute_ids: list[str] = []            # disputes the API returned (201 or 200)
+        self.key_ids: list[str] = []                # signing keys the API registered (201)
 
     @property
     def total(self) -> int:
@@ -158,11 +159,13 @@ def make_workflow(api: ApiServer, tally: Tally) -> type[RuleBasedStateMachine]:
     ingest_case = schema["/v1/envelopes"]["POST"].as_strategy()
     dispute_case = schema["/v1/disputes"]["POST"].as_strategy()
     comment_case = schema["/v1/disputes/{dispute_id}/comments"]["POST"].as_strategy()
+    revoke_case = schema["/v1/keys/{keyid}/revoke"]["POST"].as_strategy()
 
     class Workflow(schema.as_state_machine()):  # type: ignore[misc]
         ingested = 0
         disputed = 0
         commented = 0
+        revoked = 0
 
         @precondition(lambda self: self.ingested < INGESTS_PER_RUN)
         @rule(target=Bundle("catch_all"), case=ingest_case)
@@ -191,6 +194,16 @@ def make_workflow(api: ApiServer, tally: Tally) -> type[RuleBasedStateMachine]:
             case.path_parameters = {
                 "dispute_id": tally.dispute_ids[pick % len(tally.dispute_ids)]}
             case.body = {"text": "stateful run comment"}
+            return self.step(case)
+
+        @precondition(lambda self: bool(tally.key_ids) and self.revoked < 1)
+        @rule(target=Bundle("catch_all"), case=revoke_case, pick=st.integers(0, 10**6))
+        def revoke_a_registered_key(self, case: Case, pick: int) -> StepResult | None:
+            """The link from a registered key to its revocation is one of many a run may
+            follow; a full-suite CI run once made 23 registrations and no revocation."""
+            self.revoked += 1
+            case.path_parameters = {"keyid": tally.key_ids[pick % len(tally.key_ids)]}
+            case.body = {"reason": "stateful run"}
             return self.step(case)
 
         def _add_results_to_targets(self, targets: Any, results: Any) -> None:
@@ -224,6 +237,8 @@ def make_workflow(api: ApiServer, tally: Tally) -> type[RuleBasedStateMachine]:
             elif operation == "POST /v1/disputes" and status in (200, 201):
                 tally.created_disputes += status == 201
                 tally.dispute_ids.append(response.json()["id"])
+            elif operation == "POST /v1/keys" and status == 201:
+                tally.key_ids.append(response.json()["keyid"])
             return response
 
         def validate_response(self, response: Any, case: Case,

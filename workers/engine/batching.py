@@ -341,7 +341,7 @@ class ContinuousBatcher:
         if launched is not None:
             logits, decoding, logit_rows = launched
             rows += decoding
-            parts.append(logits if logit_rows == range(logits.shape[0]) else
+            parts.append(logits if logit_rows == list(range(logits.shape[0])) else
                          logits[torch.tensor(logit_rows).to(dev, non_blocking=True)])
         if ready:
             rows += [slot for slot, _ in ready]
@@ -449,8 +449,7 @@ class ContinuousBatcher:
         cache = engine._cache
         assert cache is not None
         logits = engine._decode(cache, tokens, positions)                    # [B, V]
-        self._launched = (logits, decoding, range(logits.shape[0]) if
-                          decoding == list(range(logits.shape[0])) else decoding)
+        self._launched = (logits, decoding, list(decoding))
         self._feed = (tokens, positions)
         engine.stats.decode_steps += 1
 

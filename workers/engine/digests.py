@@ -66,7 +66,7 @@ def _hash_rows(ready: torch.cuda.Event, rows: Any, lo: int, hi: int) -> list[str
     return [hashlib.sha256(rows[i].data).hexdigest() for i in range(lo, hi)]
 
 
-def _event(blocking: bool = False) -> torch.cuda.Event:
+def cuda_event(blocking: bool = False) -> torch.cuda.Event:
     return torch.cuda.Event(blocking=blocking)  # type: ignore[no-untyped-call]
 
 
@@ -74,9 +74,9 @@ def _event(blocking: bool = False) -> torch.cuda.Event:
 class _Slot:
     staging: Tensor                             # [rows, V] fp32 on the device
     pinned: Tensor                              # [rows, V] fp32, page-locked host memory
-    ready: torch.cuda.Event = field(default_factory=lambda: _event())   # staging written
+    ready: torch.cuda.Event = field(default_factory=cuda_event)   # staging written
     # pinned written; blocking: the hashing threads sleep rather than spin while they wait
-    copied: torch.cuda.Event = field(default_factory=lambda: _event(blocking=True))
+    copied: torch.cuda.Event = field(default_factory=lambda: cuda_event(blocking=True))
     futures: list[Future[list[str]]] = field(default_factory=list)
 
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from workers.engine.api import GenerationRequest, GenerationResult
 from workers.engine.batching import ContinuousBatcher, run_requests
 from workers.engine.config import ModelConfig
-from workers.engine.digests import CudaDigestRing, logits_digests
+from workers.engine.digests import CudaDigestRing, cuda_event, logits_digests
 from workers.engine.loader import load_transformer, random_transformer
 from workers.engine.model import KVCache, Transformer, decode_one_token
 from workers.engine.prefix_cache import PrefixCache
@@ -191,7 +191,7 @@ class ReferenceEngine:
         everything already happened)."""
         if self.device.type != "cuda":
             return None
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event = cuda_event()
         event.record()
         return event
 
