@@ -438,3 +438,22 @@ def test_gpu_silu_mul_bits_equal_torch_fp32_llama_shape() -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     want = torch.nn.functional.silu(gate) * up
     assert torch.equal(ck.silu_mul(gate, up).view(torch.int32), want.view(torch.int32))
+
+
+@gpu
+@needs_cuda
+def test_gpu_argmax_first_equals_the_four_op_pick() -> None:
+    """The greedy pick (``torch.argmax``) against the amax/eq/where/amin formula it
+    replaced, on tie-heavy rows at the vocabulary of Llama 3, every batch shape class."""
+    from workers.engine.torch_kernels import argmax_first
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for rows in (1, 3, 17, 64, 200):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            for spread in (2, 8, 1000):
+                x = torch.randint(-spread, spread, (rows, 128256), generator=g,
+                                  device="cuda").to(dtype)
+                best = x.amax(dim=-1, keepdim=True)
+                index = torch.arange(x.shape[-1], device="cuda").expand_as(x)
+                first = torch.where(x == best, index, x.shape[-1]).amin(dim=-1)
+                assert torch.equal(argmax_first(x), first), (rows, dtype, spread)

@@ -105,6 +105,24 @@ def test_tree_and_scan_helpers() -> None:
     assert torch_kernels.argmax_first(ties).tolist() == [1, 0]
 
 
+def test_argmax_first_gives_the_first_of_tied_maxima() -> None:
+    """The rule the greedy pick has always had (the largest value, the smallest index
+    among equals, +0.0 equal to -0.0), on rows long enough for a parallel reduction."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(-4, 4, (64, 128_256), generator=g).float()    # many exact ties
+    x[3] = float("-inf")                                             # every token masked
+    x[4, 100] = x[4, 7] = 9.0
+    x[5], x[5, 11], x[5, 2] = -1.0, 0.0, -0.0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        y = x.to(dtype)
+        best = y.amax(dim=-1, keepdim=True)
+        index = torch.arange(y.shape[-1]).expand_as(y)
+        first = torch.where(y == best, index, y.shape[-1]).amin(dim=-1)
+        picked = torch_kernels.argmax_first(y)
+        assert torch.equal(picked, first), dtype
+        assert picked[[3, 4, 5]].tolist() == [0, 7, 2]
+
+
 def test_top_logprobs_orders_ties_by_token_id() -> None:
     lp = torch.tensor([[-1.0, -0.5, -1.0, -0.5, -3.0, float("-inf")]])
     ids, values = top_logprobs(lp, 4)

