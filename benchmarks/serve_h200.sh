@@ -25,7 +25,6 @@ vl() { for d in .vl1 .vl2 .vl3 .vl4; do [ -d "$d" ] && bash "$d"/install_vllm_of
 case "${1:?step: ours, prep, stage, vllm, tests or threads}" in
   ours)
     bash .gpu/install.sh >/dev/null
-    vl
     nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
     serve --modes bi,serve --out "$OUT/ours" 2>"$OUT/ours.log" | tee "$OUT/ours.txt"
     ;;

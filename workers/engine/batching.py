@@ -127,7 +127,7 @@ class ContinuousBatcher:
         self._done: list[Finished] = []
         # A decode step already run for the next step: (logits [B, V], decoding slots,
         # the logits row of each of those slots: the slot itself unless slots moved since).
-        self._launched: tuple[Tensor, list[int], Sequence[int]] | None = None
+        self._launched: tuple[Tensor, list[int], list[int]] | None = None
         # Its inputs on the device (tokens, positions [B]); when every running request was
         # in it, the next step's feed is the sampled tokens at positions + 1 (no host copy).
         self._feed: tuple[Tensor, Tensor] | None = None
@@ -449,7 +449,7 @@ class ContinuousBatcher:
         cache = engine._cache
         assert cache is not None
         logits = engine._decode(cache, tokens, positions)                    # [B, V]
-        self._launched = (logits, decoding, list(decoding))
+        self._launched = (logits, decoding, decoding)
         self._feed = (tokens, positions)
         engine.stats.decode_steps += 1
 
