@@ -20,7 +20,11 @@ Variants change one thing each, to attribute the difference: ``base`` (as shippe
 ``torchsilu`` (torch's two kernels for silu(gate) * up instead of the fused one),
 ``gcfreeze`` (``gc.freeze()`` first: collections skip everything alive before the run),
 ``profile`` (base under ``torch.profiler``: the top kernels and host ops outside the
-graph). Needs only torch + triton; no ``ledger`` imports.
+graph), ``NAME=INT`` (``workers.engine.cuda_kernels.NAME`` set to INT for the run, e.g.
+``_FEW_ROWS=32``; graphs are recaptured), ``splittile=few`` (the split path on the
+fused path's 64x128 tile, as before 2026-12-03), ``addapart`` (each residual add and the
+norm after it as two launches, as before 2026-12-03). Needs only torch + triton; no ``ledger``
+imports.
 """
 
 from __future__ import annotations
@@ -159,7 +163,28 @@ def run(engine: ReferenceEngine, reqs: list[GenerationRequest], variant: str
             pauses.append(time.perf_counter() - began[0])
 
     gc.callbacks.append(on_gc)
-    if variant in ("torchsilu", "base") and engine._decoder is not None:
+    from workers.engine import cuda_kernels as ck
+
+    if "=" in variant:
+        name, value = variant.split("=", 1)
+        if name == "splittile":
+            saved.append((ck, "_TILE_SPLIT_16", ck._TILE_SPLIT_16))
+            ck._TILE_SPLIT_16 = ck._TILE_FEW_16  # type: ignore[misc]
+        else:
+            saved.append((ck, name, getattr(ck, name)))
+            setattr(ck, name, int(value))
+    if variant == "addapart":
+        from workers.engine import ops
+
+        def apart(x: torch.Tensor, r: torch.Tensor, w: torch.Tensor, eps: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+            total = x + r
+            return total, ops.rms_norm(total, w, eps)
+
+        saved.append((ops, "add_rms_norm", ops.add_rms_norm))
+        ops.add_rms_norm = apart  # type: ignore[assignment]
+    if (variant in ("torchsilu", "base", "addapart") or "=" in variant) \
+            and engine._decoder is not None:
         engine._decoder._steps.clear()          # recapture the graphs with this variant's ops
     if variant == "torchsilu":
         from workers.engine import cuda_kernels, torch_kernels

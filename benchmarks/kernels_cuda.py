@@ -694,6 +694,110 @@ def linear_variants() -> dict[str, Any]:
     return out
 
 
+# Launch variants at the decode sizes: (block_n, block_k, warps, stages) of the few-row tile,
+# and (split size, keys per step, warps, stages) of decode attention. The first is today's.
+DECODE_LINEAR_TILES = [(128, 64, 4, 4), (128, 64, 4, 5), (128, 64, 4, 6), (128, 128, 4, 3),
+                       (128, 128, 4, 4), (64, 64, 4, 4), (64, 64, 4, 6), (64, 128, 4, 4),
+                       (64, 128, 4, 5), (32, 128, 4, 4), (32, 64, 4, 6), (256, 64, 8, 3),
+                       (256, 64, 8, 4), (128, 64, 8, 4)]
+DECODE_ATTENTION_LAUNCHES = [(256, 64, 4, 3), (256, 64, 4, 2), (256, 64, 4, 4), (256, 64, 8, 3),
+                             (256, 32, 4, 3), (256, 128, 4, 3), (256, 128, 8, 3),
+                             (256, 128, 4, 2), (128, 64, 4, 3), (512, 64, 4, 3),
+                             (512, 128, 8, 3)]
+
+
+def _launch_errors() -> tuple[type[Exception], ...]:
+    """What a launch variant the GPU cannot run raises (shared memory, registers)."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    return (OutOfResources, CompilationError, RuntimeError)
+
+
+def decode_tiles() -> dict[str, Any]:
+    """At the decode batch: each launch variant's time and whether its bits equal today's.
+
+    Linear variants keep the segment policy (it is computed from the default tile), so any
+    bit difference comes from the tile itself; attention variants with another split size
+    or keys per step are expected to differ (NUMERICS), warps and stages are not.
+    """
+    errors = _launch_errors()
+    out: dict[str, Any] = {}
+    dt = torch.bfloat16
+    m = C.batch
+    log(f"decode linears, bf16, M={m}: us per call (mismatching outputs of 3 vs today's path)")
+    for sname in ("qkv", "q_o", "down", "gate_up_fused", "lm_head"):
+        n, k = C.linear_shapes[sname]
+        seg = ck.linear_k_segment(n, k, dt)
+        sets = n_sets((n * k + m * k) * dt.itemsize)
+        ws = [randn(n, k, dt=dt) / math.sqrt(k) for _ in range(sets)]
+        xs = [randn(m, k, dt=dt) for _ in range(sets)]
+        refs = [ck.bi_linear(xs[i], ws[i]) for i in range(min(3, sets))]
+        row: dict[str, Any] = {}
+        for bn, bk, warps, stages in DECODE_LINEAR_TILES if not C.dry else DECODE_LINEAR_TILES[:2]:
+            if seg % bk:
+                continue
+            tile = ck._Tile(64, bn, bk, warps, stages)
+            for split in ((True, False) if ck._can_split(k, seg) else (False,)):
+                name = f"{bn}x{bk}w{warps}s{stages}{'split' if split else 'fused'}"
+
+                def fn(x: torch.Tensor, w: torch.Tensor, tile: ck._Tile = tile,
+                       split: bool = split) -> torch.Tensor:
+                    return ck._launch_linear(x, w, None, tile, split, tma=False)
+
+                try:
+                    bad = sum(not torch.equal(fn(xs[i], ws[i]), r) for i, r in enumerate(refs))
+                    us = graph_time_us([lambda x=x, w=w, fn=fn: fn(x, w)
+                                        for x, w in zip(xs, ws, strict=True)])
+                except errors as exc:  # out of shared memory, registers: record it
+                    row[name] = {"error": str(exc).splitlines()[0][:120]}
+                    continue
+                row[name] = {"us": us, "mismatch": bad,
+                             "tb_s": (n * k + m * (n + k)) * dt.itemsize / (us * 1e-6) / 1e12}
+        row["torch"] = {"us": graph_time_us([lambda x=x, w=w: F.linear(x, w)
+                                             for x, w in zip(xs, ws, strict=True)])}
+        out[f"linear/{sname}/{m}"] = row
+        log(f"  {sname} {n}x{k} (segment {seg}): " + " ".join(
+            f"{kk}={v['us']:.1f}" + (f"!{v['mismatch']}" if v.get("mismatch") else "")
+            if "us" in v else f"{kk}=ERR" for kk, v in row.items()))
+        del ws, xs, refs
+    scale = 1 / math.sqrt(C.head_dim)
+    hkv, hq, d = C.n_kv_heads, C.n_heads, C.head_dim
+    s_alloc = 1024 if not C.dry else C.dec_s[0]
+    lo, hi = (C.prompt, C.prompt + 256) if not C.dry else (4, s_alloc)
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    args = []
+    for _ in range(n_sets(2 * m * hkv * s_alloc * d * 2)):
+        kc = randn(m, hkv, s_alloc, d, dt=dt)
+        lens = torch.randint(lo, hi + 1, (m,), generator=gen, dtype=torch.int32)
+        args.append((randn(m, hq, d, dt=dt), kc, torch.randn_like(kc), lens.to(C.dev)))
+    kv_bytes = sum(2 * hkv * int(a[3].sum()) * d * 2 for a in args) / len(args)
+    refs_a = [ck.bi_decode_attention(*a, scale) for a in args[:3]]
+    row = {}
+    for split, bn, warps, stages in (DECODE_ATTENTION_LAUNCHES if not C.dry
+                                     else DECODE_ATTENTION_LAUNCHES[:2]):
+        name = f"split{split}n{bn}w{warps}s{stages}"
+
+        def fa(a: tuple[torch.Tensor, ...], split: int = split, bn: int = bn,
+               warps: int = warps, stages: int = stages) -> torch.Tensor:
+            return ck._launch_decode_attention(*a, scale, split_size=split, block_n=bn,
+                                               num_warps=warps, num_stages=stages)
+
+        try:
+            bad = sum(not torch.equal(fa(a), r) for a, r in zip(args, refs_a, strict=False))
+            us = graph_time_us([lambda a=a, fa=fa: fa(a) for a in args])
+        except errors as exc:
+            row[name] = {"error": str(exc).splitlines()[0][:120]}
+            continue
+        row[name] = {"us": us, "mismatch": bad, "kv_tb_s": kv_bytes / (us * 1e-6) / 1e12}
+    out[f"decode_attention/B{m}/L{lo}-{hi}/S{s_alloc}"] = row
+    log(f"  decode attention B={m} lens {lo}..{hi} S={s_alloc} (KV {kv_bytes / 1e6:.0f} MB): " +
+        " ".join(f"{kk}={v['us']:.1f}/{v['kv_tb_s']:.2f}TB/s"
+                 + (f"!{v['mismatch']}" if v.get("mismatch") else "")
+                 if "us" in v else f"{kk}=ERR" for kk, v in row.items()))
+    return out
+
+
 def other_timings() -> dict[str, Any]:
     out: dict[str, Any] = {}
     dt = torch.bfloat16
@@ -991,6 +1095,7 @@ def main() -> None:
         ("engine default timings", engine_default_timings),
         ("step estimate", step_estimate),
         ("linear variants", linear_variants),
+        ("decode tiles", decode_tiles),
     ]
     only = [s for s in args.only.split(",") if s]
     for name, fn in sections:

@@ -109,10 +109,14 @@ def test_k_segments_for_llama3_8b_are_pinned() -> None:
 
 
 def test_linear_paths_share_the_numerics_tile_fields() -> None:
-    """The path may depend on M; the fields that fix the bits (block_n, block_k) may not."""
+    """The path may depend on M; each element's MMA chain (K steps of block_k) may not. The
+    split path's tile is 64 wide (a wgmma's N does not change an element's bits: measured
+    on the H200, and ``test_linear_paths_agree_bit_for_bit`` runs it)."""
     for n, k in [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]:
         paths = {ck._linear_path(m, n, k, torch.bfloat16) for m in (1, 64, 65, 4096)}
-        assert {(t.block_n, t.block_k) for t, _ in paths} == {(128, 64)}
+        assert {t.block_k for t, _ in paths} == {64}
+        assert {t.block_n for t, split in paths if not split} == {128}
+        assert {t for t, split in paths if split} <= {ck._TILE_SPLIT_16}
         assert any(split for _, split in paths) == (ck.linear_k_segment(n, k, torch.bfloat16) < k)
 
 
@@ -163,8 +167,9 @@ def test_linear_paths_agree_bit_for_bit(dtype: torch.dtype) -> None:
     few, many = ck._tiles(dtype)
     for m in (1, 70):
         x = randn(m, k, dtype=dtype, gen=gen)
+        tiles = [few, many] + ([ck._TILE_SPLIT_16] if dtype != torch.float32 else [])
         outs = [ck._launch_linear(x, w, None, t, split)
-                for t in dict.fromkeys([few, many]) for split in (False, True)]
+                for t in dict.fromkeys(tiles) for split in (False, True)]
         if dtype != torch.float32:  # bulk tensor (TMA) loads on the fused path
             outs += [ck._launch_linear(x, w, None, t, False, tma=True) for t in (few, many)]
         for o in outs[1:]:
@@ -199,6 +204,35 @@ def test_rms_norm_invariant_and_accurate(dtype: torch.dtype) -> None:
     for i in (0, 4, 8):
         assert torch.equal(ck.bi_rms_norm(x[i:i + 1], w, 1e-5)[0], y[i])
     assert torch.equal(ck.bi_rms_norm(x[2:7], w, 1e-5), y[2:7])
+
+
+def _add_rms_norm_case(dtype: torch.dtype, m: int, d: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    w = randn(d, dtype=dtype, gen=gen)
+    x = randn(m, d, dtype=dtype, gen=gen) * 3
+    r = randn(m, d, dtype=dtype, gen=gen)
+    total, y = ck.bi_add_rms_norm(x, r, w, 1e-5)
+    if ck._interpreting() and dtype == torch.bfloat16:
+        # The interpreter casts fp32 to bf16 by truncation (the GPU rounds to nearest even):
+        # check the structure, the norm of the kernel's own sum, and the sum to one bf16 ulp.
+        torch.testing.assert_close(total, x + r, rtol=2 ** -7, atol=0)
+        assert torch.equal(y, ck.bi_rms_norm(total, w, 1e-5))
+        return
+    assert torch.equal(total, x + r)                     # torch's rounding of the sum
+    assert torch.equal(y, ck.bi_rms_norm(x + r, w, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_rms_norm_is_the_add_then_the_norm(dtype: torch.dtype) -> None:
+    _add_rms_norm_case(dtype, m=7, d=300, seed=4)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_add_rms_norm_is_the_add_then_the_norm(dtype: torch.dtype) -> None:
+    for m in (1, 64, 1000):
+        _add_rms_norm_case(dtype, m=m, d=4096, seed=m)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -19,9 +19,10 @@ How each kernel stays invariant (docs/cuda_kernels.md has the long version and t
   a tile adds them in segment order; an atomic counter only elects that program, it never
   accumulates) for few-row calls, and *fused* (one program loops over all segments; TMA
   loads for the many-rows tile) otherwise. Every path issues the same per-element chain of
-  wgmma m64n128k16 steps (ieee FMA for fp32), so the path and tile height chosen by M do not
-  change a bit. Measured, not assumed: benchmarks/kernels_cuda.py compares every path bit for
-  bit on the GPU (H200, 2026-11-29: no mismatch).
+  wgmma k16 steps (m64n64 on the split path, m64n128 elsewhere; ieee FMA for fp32), so the
+  path and tile chosen by M do not change a bit. Measured, not assumed:
+  benchmarks/kernels_cuda.py compares every path and tile bit for bit on the GPU (H200,
+  2026-11-29 and 2026-12-03: no mismatch).
 * ``bi_rms_norm`` / ``bi_log_softmax``: one program per row, block size fixed by the row
   length, so the reduction tree never sees another row.
 * ``bi_decode_attention``: split-KV with a fixed split *size* (``KV_SPLIT`` tokens), the
@@ -56,6 +57,7 @@ __all__ = [
     "KERNELS_VERSION",
     "KV_SPLIT",
     "__version__",
+    "bi_add_rms_norm",
     "bi_decode_attention",
     "bi_linear",
     "bi_log_softmax",
@@ -137,12 +139,18 @@ class _Tile:
     group_m: int = 8
 
 
-# NUMERICS: block_n and block_k (and, for 16-bit types, that every tile's MMA is one
-# warpgroup's m64n128k16 wgmma) fix how each output element is summed. block_m, warps per
-# tile and stages only decide which rows run together; they may differ between the "few
-# rows" and "many rows" tiles because a row's bits do not depend on them (checked on the GPU).
+# NUMERICS: block_k, and that each output element is one chain of wgmma k16 steps (16-bit
+# types), fix how an element is summed. block_m, block_n, warps per tile and stages only
+# decide which rows and columns run together; they may differ between the tiles because an
+# element's bits do not depend on them (every tile here checked against the others on the
+# GPU). The segment policy counts the few-row tile's 128-wide tiles: that stays fixed.
 _TILE_FEW_16 = _Tile(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4)
 _TILE_MANY_16 = _Tile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=4)
+# The split path's tile (not numerics: the segment policy below counts 128-wide tiles, and a
+# 64-wide wgmma gives each element the same bits, checked on the GPU by
+# benchmarks/kernels_cuda.py "decode tiles"): twice the programs of 64x128, more bytes in
+# flight per SM. H200, M = 64, us: qkv 21.3 -> 18.9, o 15.9 -> 15.1, down 37.8 -> 36.2.
+_TILE_SPLIT_16 = _Tile(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=6)
 # fp32 with TF32 off: one FMA chain per element in K order; a single tile for every M.
 _TILE_32 = _Tile(block_m=64, block_n=64, block_k=32, num_warps=4, num_stages=3)
 
@@ -358,6 +366,8 @@ def _linear_path(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[_Tile, boo
         and triton.cdiv(m, few.block_m) * triton.cdiv(n, few.block_n) < _SPLIT_TARGET_PROGRAMS
         and 4 * m * (k // seg) <= k  # partial sums stay well under the weight's bytes
     )
+    if split and dtype != torch.float32:
+        tile = _TILE_SPLIT_16
     return tile, split
 
 
@@ -447,18 +457,38 @@ def bi_linear(
 
 
 @triton.jit
+def _rms_norm_row(x, w_ptr, y_row, offs, mask, D, eps):
+    """One row: x (fp32, zero past D) -> y_row, rounded to y's dtype."""
+    mean_sq = tl.math.div_rn(tl.sum(x * x, axis=0), D.to(tl.float32))
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
+    # As Hugging Face / gpt-fast Llama: normalise in fp32, cast, then scale by the weight.
+    normed = (x * rstd).to(y_row.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_row + offs, (normed * w).to(y_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, stride_x, stride_y, D, eps,
                      BLOCK_D: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    mean_sq = tl.math.div_rn(tl.sum(x * x, axis=0), D.to(tl.float32))
-    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(mean_sq + eps))
-    # As Hugging Face / gpt-fast Llama: normalise in fp32, cast, then scale by the weight.
-    normed = (x * rstd).to(y_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + offs, (normed * w).to(y_ptr.dtype.element_ty), mask=mask)
+    _rms_norm_row(x, w_ptr, y_ptr + row * stride_y, offs, mask, D, eps)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, s_ptr, y_ptr, stride_x, stride_r, stride_s,
+                         stride_y, D, eps, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+    # torch's x + r: the sum in fp32, rounded once to the tensors' dtype.
+    total = (x.to(tl.float32) + r.to(tl.float32)).to(s_ptr.dtype.element_ty)
+    tl.store(s_ptr + row * stride_s + offs, total, mask=mask)
+    _rms_norm_row(total.to(tl.float32), w_ptr, y_ptr + row * stride_y, offs, mask, D, eps)
 
 
 def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -474,10 +504,41 @@ def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
         return y
     block_d = triton.next_power_of_2(d)
     assert block_d <= 65536, "bi_rms_norm: D too large for one block"
-    num_warps = min(16, max(4, block_d // 512))
     _rms_norm_kernel[(m,)](x, weight, y, x.stride(0), y.stride(0), d, eps,
-                           BLOCK_D=block_d, num_warps=num_warps)
+                           BLOCK_D=block_d, num_warps=_norm_warps(block_d))
     return y
+
+
+def _norm_warps(block_d: int) -> int:
+    return min(16, max(4, block_d // 512))
+
+
+def bi_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, bi_rms_norm(s, weight, eps))`` with ``s = x + residual`` (torch's rounding), in
+    one launch: the residual add and the norm after it (engine glue, not numerics: the bits
+    of the two separate ops, checked on the GPU)."""
+    assert x.ndim == 2 and residual.shape == x.shape and weight.shape == (x.shape[1],), \
+        "bi_add_rms_norm: x[M,D], residual[M,D], weight[D]"
+    assert residual.dtype == x.dtype, "bi_add_rms_norm: x and residual dtypes differ"
+    _check_dtype(x, "bi_add_rms_norm")
+    m, d = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if residual.stride(1) != 1:
+        residual = residual.contiguous()
+    weight = weight.contiguous()
+    total = torch.empty((m, d), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, d), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return total, y
+    block_d = triton.next_power_of_2(d)
+    assert block_d <= 65536, "bi_add_rms_norm: D too large for one block"
+    _add_rms_norm_kernel[(m,)](x, residual, weight, total, y, x.stride(0), residual.stride(0),
+                               total.stride(0), y.stride(0), d, eps, BLOCK_D=block_d,
+                               num_warps=_norm_warps(block_d))
+    return total, y
 
 
 @triton.jit
@@ -769,6 +830,22 @@ def bi_decode_attention(
     k_cache/v_cache[B, Hkv, S, D] may be strided views (last dim contiguous). GQA: Hq is a
     multiple of Hkv. Returns [B, Hq, D] in q's dtype.
     """
+    return _launch_decode_attention(q, k_cache, v_cache, seq_lens, scale)
+
+
+def _launch_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    split_size: int = KV_SPLIT,
+    block_n: int = _DECODE_BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """``bi_decode_attention`` with its launch constants as arguments (benchmarks only:
+    ``split_size`` and ``block_n`` are NUMERICS, warps and stages are measured)."""
     assert q.ndim == 3 and k_cache.ndim == 4 and v_cache.shape == k_cache.shape, \
         "bi_decode_attention: q[B,Hq,D], k/v_cache[B,Hkv,S,D]"
     bsz, n_q_heads, head_dim = q.shape
@@ -785,7 +862,7 @@ def bi_decode_attention(
     if bsz == 0:
         return out
     group = n_q_heads // n_kv_heads
-    max_splits = triton.cdiv(max_seq, KV_SPLIT)
+    max_splits = triton.cdiv(max_seq, split_size)
     part_o = torch.empty((bsz * n_q_heads * max_splits * head_dim,), dtype=torch.float32,
                          device=q.device)
     part_ml = torch.empty((bsz * n_q_heads * max_splits * 2,), dtype=torch.float32,
@@ -803,9 +880,10 @@ def bi_decode_attention(
         n_kv_heads, max_splits, scale * 1.4426950408889634,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        SPLIT=KV_SPLIT, BLOCK_N=_DECODE_BLOCK_N, IEEE=fp32,
+        SPLIT=split_size, BLOCK_N=block_n, IEEE=fp32,
         UPCAST=(interp and q.dtype == torch.bfloat16),
-        num_warps=4, num_stages=2 if fp32 else 3,
+        num_warps=num_warps,
+        num_stages=num_stages if num_stages is not None else (2 if fp32 else 3),
     )
     return out
 

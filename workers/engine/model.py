@@ -224,10 +224,15 @@ def _mlp(layer: LayerWeights, h: Tensor) -> Tensor:
     return ops.linear(ops.silu_mul(gate, up), layer.w_down)               # [T, hidden]
 
 
-def _logits(model: Transformer, x: Tensor) -> Tensor:
-    """Final norm and LM head: x [N, hidden] -> fp32 logits [N, V]."""
-    x = ops.rms_norm(x, model.norm, model.config.rms_norm_eps)
-    return ops.linear(x, model.lm_head).float()
+def _first_norm(model: Transformer, x: Tensor) -> Tensor:
+    """The first layer's attention norm (the final norm if there is no layer)."""
+    weight = model.layers[0].attn_norm if model.layers else model.norm
+    return ops.rms_norm(x, weight, model.config.rms_norm_eps)
+
+
+def _next_norm(model: Transformer, i: int) -> Tensor:
+    """The norm after layer i's MLP: layer i+1's attention norm, or the final norm."""
+    return model.layers[i + 1].attn_norm if i + 1 < len(model.layers) else model.norm
 
 
 def prefill(
@@ -257,20 +262,22 @@ def prefill(
     x = model.embed[tokens]                                               # [T, hidden]
     model.ensure_rope(max((p0 + n for _, _, n, p0 in chunks), default=0))
     rope = model.rope_at(positions)
+    eps = cfg.rms_norm_eps
+    h = _first_norm(model, x)
     for i, layer in enumerate(model.layers):
-        q, k, v = _attention_qkv(
-            model, layer, i, ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), rope,
-            cache, slots, positions, need_kv=fast_whole,
-        )
+        q, k, v = _attention_qkv(model, layer, i, h, rope, cache, slots, positions,
+                                 need_kv=fast_whole)
         if fast_whole:
             assert k is not None and v is not None
             attn = ops.prefill_attention(q, k, v, cu_seqlens, scale)      # [T, Hq, D]
         else:
             attn = ops.chunk_attention(q, cache.k[i], cache.v[i], chunks, scale)
-        x = x + ops.linear(attn.reshape(x.shape[0], -1), layer.wo, layer.bo)
-        x = x + _mlp(layer, ops.rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps))
+        # residual adds fused with the norm that follows each (the same bits as apart)
+        x, h = ops.add_rms_norm(x, ops.linear(attn.reshape(x.shape[0], -1), layer.wo,
+                                              layer.bo), layer.ffn_norm, eps)
+        x, h = ops.add_rms_norm(x, _mlp(layer, h), _next_norm(model, i), eps)
     last = cu_seqlens[1:].to(torch.int64) - 1                             # [C]
-    return _logits(model, x[last])
+    return ops.linear(h[last], model.lm_head).float()                     # h: final norm
 
 
 def chunk_table(
@@ -307,12 +314,13 @@ def decode_one_token(
     seq_lens = (positions + 1).to(torch.int32)                            # [B]
     x = model.embed[tokens]                                               # [B, hidden]
     rope = model.rope_at(positions) if static else model.rope(positions)
+    eps = cfg.rms_norm_eps
+    h = _first_norm(model, x)
     for i, layer in enumerate(model.layers):
-        q, _, _ = _attention_qkv(
-            model, layer, i, ops.rms_norm(x, layer.attn_norm, cfg.rms_norm_eps), rope,
-            cache, slots, positions, need_kv=False,
-        )
+        q, _, _ = _attention_qkv(model, layer, i, h, rope, cache, slots, positions,
+                                 need_kv=False)
         attn = ops.decode_attention(q, cache.k[i][:b], cache.v[i][:b], seq_lens, scale)
-        x = x + ops.linear(attn.reshape(b, -1), layer.wo, layer.bo)       # [B, hidden]
-        x = x + _mlp(layer, ops.rms_norm(x, layer.ffn_norm, cfg.rms_norm_eps))
-    return _logits(model, x)
+        x, h = ops.add_rms_norm(x, ops.linear(attn.reshape(b, -1), layer.wo, layer.bo),
+                                layer.ffn_norm, eps)                      # [B, hidden]
+        x, h = ops.add_rms_norm(x, _mlp(layer, h), _next_norm(model, i), eps)
+    return ops.linear(h, model.lm_head).float()                           # h: final norm

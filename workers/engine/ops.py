@@ -133,6 +133,20 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return torch_kernels.fast_rms_norm(x, weight, eps)
 
 
+def add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float
+) -> tuple[Tensor, Tensor]:
+    """``(x + residual, rms_norm(x + residual, weight, eps))``: a residual add and the norm
+    after it. The sum is rounded to x's dtype first, as ``x + residual`` is; on CUDA in
+    batch-invariant mode one launch (``cuda_kernels.bi_add_rms_norm``) gives those bits."""
+    if _BATCH_INVARIANT.get() and x.is_cuda:
+        module = cuda_kernels()
+        if module is not None:
+            return module.bi_add_rms_norm(x, residual, weight, eps)  # type: ignore[no-any-return]
+    total = x + residual
+    return total, rms_norm(total, weight, eps)
+
+
 def log_softmax(x: Tensor) -> Tensor:
     """x [M, V] -> fp32 [M, V]"""
     if _BATCH_INVARIANT.get():
