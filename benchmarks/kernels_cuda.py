@@ -694,8 +694,10 @@ def linear_variants() -> dict[str, Any]:
     return out
 
 
-# Launch variants at the decode sizes: (block_n, block_k, warps, stages) of the few-row tile,
-# and (split size, keys per step, warps, stages) of decode attention. The first is today's.
+# Launch variants at the decode sizes: (block_n, block_k, warps, stages) of the few-row tile
+# (the first is the fused path's; the split path's is 64x64x64, 4 warps, 6 stages), and (split
+# size, keys per step, warps, stages) of decode attention (the first is today's). Each output
+# is compared with bi_linear's / bi_decode_attention's.
 DECODE_LINEAR_TILES = [(128, 64, 4, 4), (128, 64, 4, 5), (128, 64, 4, 6), (128, 128, 4, 3),
                        (128, 128, 4, 4), (64, 64, 4, 4), (64, 64, 4, 6), (64, 128, 4, 4),
                        (64, 128, 4, 5), (32, 128, 4, 4), (32, 64, 4, 6), (256, 64, 8, 3),
