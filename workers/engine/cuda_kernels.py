@@ -171,6 +171,10 @@ def _tiles(dtype: torch.dtype) -> tuple[_Tile, _Tile]:
     return _TILE_FEW_16, _TILE_MANY_16
 
 
+def _split_tile(dtype: torch.dtype) -> _Tile:
+    return _TILE_32 if dtype == torch.float32 else _TILE_SPLIT_16
+
+
 @functools.cache
 def linear_k_segment(n: int, k: int, dtype: torch.dtype) -> int:
     """Length (in K elements) of one reduction segment for an [n, k] weight.
@@ -366,9 +370,7 @@ def _linear_path(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[_Tile, boo
         and triton.cdiv(m, few.block_m) * triton.cdiv(n, few.block_n) < _SPLIT_TARGET_PROGRAMS
         and 4 * m * (k // seg) <= k  # partial sums stay well under the weight's bytes
     )
-    if split and dtype != torch.float32:
-        tile = _TILE_SPLIT_16
-    return tile, split
+    return (_split_tile(dtype) if split else tile), split
 
 
 def _launch_linear(
@@ -502,15 +504,17 @@ def bi_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     y = torch.empty((m, d), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    block_d = triton.next_power_of_2(d)
-    assert block_d <= 65536, "bi_rms_norm: D too large for one block"
+    block_d, warps = _norm_block(d, "bi_rms_norm")
     _rms_norm_kernel[(m,)](x, weight, y, x.stride(0), y.stride(0), d, eps,
-                           BLOCK_D=block_d, num_warps=_norm_warps(block_d))
+                           BLOCK_D=block_d, num_warps=warps)
     return y
 
 
-def _norm_warps(block_d: int) -> int:
-    return min(16, max(4, block_d // 512))
+def _norm_block(d: int, name: str) -> tuple[int, int]:
+    """(block, warps) of a one-program-per-row norm over D: a function of D only."""
+    block_d = triton.next_power_of_2(d)
+    assert block_d <= 65536, f"{name}: D too large for one block"
+    return block_d, min(16, max(4, block_d // 512))
 
 
 def bi_add_rms_norm(
@@ -533,11 +537,10 @@ def bi_add_rms_norm(
     y = torch.empty((m, d), dtype=x.dtype, device=x.device)
     if m == 0:
         return total, y
-    block_d = triton.next_power_of_2(d)
-    assert block_d <= 65536, "bi_add_rms_norm: D too large for one block"
+    block_d, warps = _norm_block(d, "bi_add_rms_norm")
     _add_rms_norm_kernel[(m,)](x, residual, weight, total, y, x.stride(0), residual.stride(0),
                                total.stride(0), y.stride(0), d, eps, BLOCK_D=block_d,
-                               num_warps=_norm_warps(block_d))
+                               num_warps=warps)
     return total, y
 
 
