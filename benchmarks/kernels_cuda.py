@@ -800,6 +800,106 @@ def decode_tiles() -> dict[str, Any]:
     return out
 
 
+#: (block_n, warps, stages) of the few-row tile tried for each fused epilogue at the decode
+#: batch (block_m 64, block_k 64: the NUMERICS fields stay).
+EPILOGUE_TILES = [(128, 4, 4), (128, 4, 5), (64, 4, 6), (64, 4, 4), (128, 8, 4)]
+
+
+def fused_epilogues() -> dict[str, Any]:
+    """At the decode batch: the gate/up product with silu(gate) * up in its store, and the
+    qkv product with RoPE + the KV write in its store, against the two launches each (us
+    per pair of ops in a graph; mismatching outputs of 3 vs the two launches)."""
+    errors = _launch_errors()
+    out: dict[str, Any] = {}
+    dt, m = torch.bfloat16, C.batch
+    hq, hkv, d = C.n_heads, C.n_kv_heads, C.head_dim
+    n, k = C.linear_shapes["gate_up_fused"]
+    sets = n_sets((n * k + m * k) * dt.itemsize)
+    ws = [randn(n, k, dt=dt) / math.sqrt(k) * 4 for _ in range(sets)]
+    xs = [randn(m, k, dt=dt) for _ in range(sets)]
+
+    def two(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return ck.silu_mul(*ck.bi_linear(x, w).chunk(2, dim=-1))
+
+    refs = [two(xs[i], ws[i]) for i in range(min(3, sets))]
+    row: dict[str, Any] = {"two launches": {"us": graph_time_us(
+        [lambda x=x, w=w: two(x, w) for x, w in zip(xs, ws, strict=True)])}}
+    for bn, warps, stages in EPILOGUE_TILES if not C.dry else EPILOGUE_TILES[:1]:
+        tile = ck._Tile(64, bn, 64, warps, stages)
+
+        def one(x: torch.Tensor, w: torch.Tensor, tile: ck._Tile = tile) -> torch.Tensor:
+            return ck._launch_linear(x, w, None, tile, False, epilogue=ck._SILU_MUL)
+
+        name = f"fused {bn}w{warps}s{stages}"
+        try:
+            bad = sum(not torch.equal(one(xs[i], ws[i]), r) for i, r in enumerate(refs))
+            us = graph_time_us([lambda x=x, w=w, one=one: one(x, w)
+                                for x, w in zip(xs, ws, strict=True)])
+        except errors as exc:
+            row[name] = {"error": str(exc).splitlines()[0][:120]}
+            continue
+        row[name] = {"us": us, "mismatch": bad}
+    out[f"gate_up+silu_mul/{m}"] = row
+    log(f"  gate_up {n}x{k} + silu_mul, M={m}: " + " ".join(
+        f"{kk}={v['us']:.1f}" + (f"!{v['mismatch']}" if v.get("mismatch") else "")
+        if "us" in v else f"{kk}=ERR" for kk, v in row.items()))
+    del ws, xs, refs
+
+    n, k = C.linear_shapes["qkv"]
+    s_alloc = 1024 if not C.dry else C.dec_s[0]
+    sets = n_sets((n * k + m * k) * dt.itemsize)
+    ws = [randn(n, k, dt=dt) / math.sqrt(k) * 4 for _ in range(sets)]
+    xs = [randn(m, k, dt=dt) for _ in range(sets)]
+    pos = torch.randint(0, s_alloc, (m,), device=C.dev)
+    slots = torch.arange(m, device=C.dev)
+    ang = torch.rand(m, d // 2, device=C.dev) * 6.28
+    cos, sin = ang.cos(), ang.sin()
+    kc, vc = torch.zeros(m, hkv, s_alloc, d, dtype=dt, device=C.dev), \
+        torch.zeros(m, hkv, s_alloc, d, dtype=dt, device=C.dev)
+
+    def two_r(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        q, _ = ck.rope_qkv_to_cache(ck.bi_linear(x, w), cos, sin, kc, vc, slots, pos, hq, hkv,
+                                    return_k=False)
+        return q
+
+    def state(q: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return q.clone(), kc[slots, :, pos].clone(), vc[slots, :, pos].clone()
+
+    refs_r = [state(two_r(xs[i], ws[i])) for i in range(min(3, sets))]
+    row = {"two launches": {"us": graph_time_us(
+        [lambda x=x, w=w: two_r(x, w) for x, w in zip(xs, ws, strict=True)])}}
+    rope = ck._RopeKV(cos, sin, slots, pos, kc, vc, hq, hkv)
+    variants = [(ck._split_tile(dt), True)] + [
+        (ck._Tile(64, bn, 64, warps, stages), split)
+        for bn, warps, stages in (EPILOGUE_TILES[:3] if not C.dry else [])
+        for split in (True, False)]
+    for tile, split in variants:
+        if (d // 2) % (tile.block_n // 2):
+            continue
+
+        def one_r(x: torch.Tensor, w: torch.Tensor, tile: ck._Tile = tile,
+                  split: bool = split) -> torch.Tensor:
+            return ck._launch_linear(x, w, None, tile, split, epilogue=ck._ROPE_KV, rope=rope)
+
+        name = (f"fused {tile.block_n}w{tile.num_warps}s{tile.num_stages}"
+                f"{'split' if split else ''}")
+        try:
+            bad = sum(any(not torch.equal(a, b) for a, b in
+                          zip(state(one_r(xs[i], ws[i]).view(m, hq, d)), r, strict=True))
+                      for i, r in enumerate(refs_r))
+            us = graph_time_us([lambda x=x, w=w, one_r=one_r: one_r(x, w)
+                                for x, w in zip(xs, ws, strict=True)])
+        except errors as exc:
+            row[name] = {"error": str(exc).splitlines()[0][:120]}
+            continue
+        row[name] = {"us": us, "mismatch": bad}
+    out[f"qkv+rope_kv/{m}"] = row
+    log(f"  qkv {n}x{k} + RoPE/KV write, M={m}: " + " ".join(
+        f"{kk}={v['us']:.1f}" + (f"!{v['mismatch']}" if v.get("mismatch") else "")
+        if "us" in v else f"{kk}=ERR" for kk, v in row.items()))
+    return out
+
+
 def other_timings() -> dict[str, Any]:
     out: dict[str, Any] = {}
     dt = torch.bfloat16
@@ -1098,6 +1198,7 @@ def main() -> None:
         ("step estimate", step_estimate),
         ("linear variants", linear_variants),
         ("decode tiles", decode_tiles),
+        ("fused epilogues", fused_epilogues),
     ]
     only = [s for s in args.only.split(",") if s]
     for name, fn in sections:

@@ -389,6 +389,94 @@ def test_gpu_rope_kv_write_matches_torch(dtype: torch.dtype) -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# Fused epilogues: the linear's product and the op after it in one launch
+# ----------------------------------------------------------------------------------------
+
+
+def _epilogue_paths(dtype: torch.dtype) -> list[tuple[object, bool]]:
+    """Every (tile, split) a fused epilogue can run on (the non-TMA paths)."""
+    few, many = ck._tiles(dtype)
+    tiles = [few, many] + ([ck._TILE_SPLIT_16] if dtype != torch.float32 else [])
+    return [(t, split) for t in dict.fromkeys(tiles) for split in (False, True)]
+
+
+def _silu_mul_case(dtype: torch.dtype, i: int, k: int, rows: list[int], bias: bool) -> None:
+    gen = torch.Generator().manual_seed(11)
+    w = randn(2 * i, k, dtype=dtype, gen=gen) / math.sqrt(k) * 4
+    b = randn(2 * i, dtype=dtype, gen=gen) if bias else None
+    for m in rows:
+        x = randn(m, k, dtype=dtype, gen=gen)
+        want = ck.silu_mul(*ck.bi_linear(x, w, b).chunk(2, dim=-1))
+        assert torch.equal(ck.linear_silu_mul(x, w, b), want), f"M={m}"
+        for tile, split in _epilogue_paths(dtype):
+            got = ck._launch_linear(x, w, b, tile, split, epilogue=ck._SILU_MUL)
+            assert got.shape == (m, i)
+            assert torch.equal(got, want), f"M={m}, {tile}, split={split}"
+    assert int(ck._COUNTERS.get(DEV, 1).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_linear_silu_mul_is_the_linear_then_silu_mul(dtype: torch.dtype) -> None:
+    """Gate and up columns of one tile, silu(gate) * up in the store: the bits of the two
+    launches on every path (split and fused, every tile), with a bias and ragged I."""
+    _silu_mul_case(dtype, i=160, k=1024, rows=[1, 5], bias=True)
+
+
+def _rope_fused_case(dtype: torch.dtype, hq: int, hkv: int, d: int, k: int, rows: list[int],
+                     bias: bool) -> None:
+    from workers.engine.config import LLAMA3_8B_CONFIG, ModelConfig
+    from workers.engine.model import rope_table
+
+    gen = torch.Generator().manual_seed(12)
+    n = (hq + 2 * hkv) * d
+    w = randn(n, k, dtype=dtype, gen=gen) / math.sqrt(k) * 4
+    b = randn(n, dtype=dtype, gen=gen) if bias else None
+    cfg = ModelConfig.from_hf({**LLAMA3_8B_CONFIG, "head_dim": d})
+    cos_all, sin_all = rope_table(cfg, 0, 300, DEV)
+    for t in rows:
+        x = randn(t, k, dtype=dtype, gen=gen)
+        positions = torch.randint(0, 300, (t,), generator=gen).to(DEV)
+        slots = torch.randperm(t + 2, generator=gen)[:t].to(DEV)
+        cos, sin = cos_all[positions], sin_all[positions]
+        shape = (t + 2, hkv, 320, d)
+        kc_ref = torch.zeros(shape, dtype=dtype, device=DEV)
+        vc_ref = torch.zeros_like(kc_ref)
+        q_ref, _ = ck.rope_qkv_to_cache(ck.bi_linear(x, w, b), cos, sin, kc_ref, vc_ref,
+                                        slots, positions, hq, hkv, return_k=False)
+        paths = [(t_, sp) for t_, sp in _epilogue_paths(dtype)
+                 if (d // 2) % (t_.block_n // 2) == 0]
+        assert paths
+        for path in [None, *paths]:
+            kc, vc = torch.zeros_like(kc_ref), torch.zeros_like(vc_ref)
+            if path is None:                      # the public entry point
+                q = ck.linear_rope_kv(x, w, b, cos, sin, kc, vc, slots, positions, hq, hkv)
+            else:
+                rope = ck._RopeKV(cos, sin, slots, positions, kc, vc, hq, hkv)
+                q = ck._launch_linear(x, w, b, *path, epilogue=ck._ROPE_KV,
+                                      rope=rope).view(t, hq, d)
+            assert torch.equal(q, q_ref), f"T={t}, {path}"
+            assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), f"T={t}, {path}"
+    assert int(ck._COUNTERS.get(DEV, 1).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_linear_rope_kv_is_the_linear_then_rope(dtype: torch.dtype) -> None:
+    """A tile holds the two halves that rotate together; RoPE and the KV write in the store:
+    q, the k cache and the v cache have the bits of the linear and ``rope_qkv_to_cache``."""
+    _rope_fused_case(dtype, hq=2, hkv=1, d=128, k=1024, rows=[1, 6], bias=True)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_fused_epilogues_llama_shapes(dtype: torch.dtype) -> None:
+    """Llama-3-8B's gate/up and qkv at decode batches (and 100 rows: the fallback)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _silu_mul_case(dtype, i=14336, k=4096, rows=[1, 7, 64, 100], bias=False)
+    _rope_fused_case(dtype, hq=32, hkv=8, d=128, k=4096, rows=[1, 7, 64, 100], bias=False)
+
+
+# ----------------------------------------------------------------------------------------
 # GPU: Llama-3-8B shapes
 # ----------------------------------------------------------------------------------------
 

@@ -64,6 +64,8 @@ __all__ = [
     "bi_prefill_attention",
     "bi_rms_norm",
     "linear_k_segment",
+    "linear_rope_kv",
+    "linear_silu_mul",
     "rope_qkv_to_cache",
     "silu_mul",
 ]
@@ -212,12 +214,118 @@ def _linear_step(acc, x_rows, w_cols, ki, offs_k, mask_m, mask_n, K, stride_xk, 
     return _mma(a, b, acc, IEEE, UPCAST)
 
 
+# What a linear launch does with its output tile (a constexpr of ``_linear_kernel``).
+_STORE = 0      # y = x @ W^T (+ b)
+_SILU_MUL = 1   # W = [gate; up]: y = silu(gate) * up, the gate/up projection's product
+_ROPE_KV = 2    # W = [q; k; v] heads: RoPE on q and k, q to y, k and v into the KV cache
+
+
+@triton.jit
+def _tile_columns(pid_n, N, HALF, EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The weight rows (output columns) one tile multiplies, and which of them exist.
+
+    _STORE: BLOCK_N consecutive rows. _SILU_MUL (N: the width of gate and of up): BLOCK_N/2
+    gate rows and the up rows of the same columns. _ROPE_KV: the two halves that rotate
+    together, BLOCK_N/2 columns from each half of one head (HALF: half the head dim).
+    Which columns share a tile never changes an element's bits (see _Tile)."""
+    j = tl.arange(0, BLOCK_N)
+    if EPILOGUE == 0:
+        rows = pid_n * BLOCK_N + j
+        return rows, rows < N
+    HB: tl.constexpr = BLOCK_N // 2
+    i = j % HB
+    if EPILOGUE == 1:
+        col = pid_n * HB + i
+        return tl.where(j < HB, col, N + col), col < N
+    per_head = HALF // HB
+    first = (pid_n // per_head) * (2 * HALF) + (pid_n % per_head) * HB + i
+    return tl.where(j < HB, first, first + HALF), first < N
+
+
+@triton.jit
+def _halves(v, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A [BM, BN] tile's first and second BN/2 columns, as two [BM, BN/2] tensors."""
+    return tl.split(tl.permute(tl.reshape(v, [BLOCK_M, 2, BLOCK_N // 2]), (0, 2, 1)))
+
+
+@triton.jit
+def _silu_times(g, u, out_ty: tl.constexpr, LIBDEVICE: tl.constexpr):
+    """torch's ``F.silu(g) * u`` on rounded g, u: x / (1 + exp(-x)) in fp32 with an IEEE
+    division and expf, rounded to g's dtype; then the product in fp32, rounded (launched
+    with fp fusion off)."""
+    x = g.to(tl.float32)
+    if LIBDEVICE:  # noqa: SIM108  (a constexpr branch; the JIT compiles one side)
+        e = libdevice.exp(-x)
+    else:                                   # the interpreter has no libdevice: numpy's exp
+        e = tl.exp(-x)
+    silu = tl.math.div_rn(x, 1.0 + e).to(g.dtype)
+    return (silu.to(tl.float32) * u.to(tl.float32)).to(out_ty)
+
+
+@triton.jit
+def _store_tile(
+    out, offs_m, mask_m, cols, mask_n, pid_n, N, y_ptr, stride_ym, stride_yn,
+    cos_ptr, sin_ptr, stride_cs, slots_ptr, pos_ptr, kc_ptr, vc_ptr,
+    stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, HALF,
+    HQ: tl.constexpr, HKV: tl.constexpr, EPILOGUE: tl.constexpr, LIBDEVICE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Write a finished fp32 tile (bias added): rounded to y's dtype as the linear's output
+    is, then, for the fused epilogues, the very operations of ``silu_mul`` or of
+    ``_rope_kv_kernel`` on those rounded values, so the same bits as the two launches."""
+    ty = y_ptr.dtype.element_ty
+    rows = offs_m.to(tl.int64)[:, None]
+    if EPILOGUE == 0:
+        y_ptrs = y_ptr + rows * stride_ym + cols[None, :] * stride_yn
+        tl.store(y_ptrs, out.to(ty), mask=mask_m[:, None] & mask_n[None, :])
+        return
+    HB: tl.constexpr = BLOCK_N // 2
+    i = tl.arange(0, HB)
+    a, b = _halves(out.to(ty), BLOCK_M, BLOCK_N)                          # [BM, BN/2] each
+    if EPILOGUE == 1:
+        col = pid_n * HB + i
+        tl.store(y_ptr + rows * stride_ym + col[None, :] * stride_yn,
+                 _silu_times(a, b, ty, LIBDEVICE), mask=mask_m[:, None] & (col < N)[None, :])
+        return
+    per_head = HALF // HB
+    h = pid_n // per_head                      # q heads, then k heads, then v heads
+    c0 = (pid_n % per_head) * HB
+    mask = mask_m[:, None]
+    if h < HQ + HKV:
+        cs = rows * stride_cs + c0 + i[None, :]
+        c = tl.load(cos_ptr + cs, mask=mask, other=0.0)
+        s = tl.load(sin_ptr + cs, mask=mask, other=0.0)
+        x1 = a.to(tl.float32)
+        x2 = b.to(tl.float32)
+        o1 = (x1 * c - x2 * s).to(ty)
+        o2 = (x2 * c + x1 * s).to(ty)
+        if h < HQ:
+            dst = y_ptr + rows * stride_ym + h * (2 * HALF) + c0 + i[None, :]
+        else:
+            slot = tl.load(slots_ptr + offs_m, mask=mask_m, other=0)[:, None]
+            pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0)[:, None]
+            dst = (kc_ptr + slot * stride_kcb + (h - HQ) * stride_kch + pos * stride_kcs
+                   + c0 + i[None, :])
+        tl.store(dst, o1, mask=mask)
+        tl.store(dst + HALF, o2, mask=mask)
+    else:
+        slot = tl.load(slots_ptr + offs_m, mask=mask_m, other=0)[:, None]
+        pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0)[:, None]
+        dst = (vc_ptr + slot * stride_vcb + (h - HQ - HKV) * stride_vch + pos * stride_vcs
+               + c0 + i[None, :])
+        tl.store(dst, a, mask=mask)
+        tl.store(dst + HALF, b, mask=mask)
+
+
 @triton.jit(do_not_specialize=["M", "seg_iters"])
 def _linear_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, cnt_ptr,
     M, N, K,
     stride_xm, stride_xk, stride_wn, stride_wk, stride_ym, stride_yn,
     seg_iters,                    # K blocks per segment (NUMERICS)
+    # _ROPE_KV only (see _store_tile): cos/sin [M, HALF] fp32, slots/positions [M], caches
+    cos_ptr, sin_ptr, stride_cs, slots_ptr, pos_ptr, kc_ptr, vc_ptr,
+    stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, HALF,
     SEG_ITERS: tl.constexpr,      # the same, as a constant, on the split path only
     SPLIT: tl.constexpr,          # one program per (tile, segment)
     ONE_SEGMENT: tl.constexpr,    # fused path and K fits in one segment
@@ -227,10 +335,13 @@ def _linear_kernel(
     UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    EPILOGUE: tl.constexpr = 0,   # _STORE, _SILU_MUL or _ROPE_KV
+    HQ: tl.constexpr = 0, HKV: tl.constexpr = 0,
+    LIBDEVICE: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_n = tl.cdiv(N, BLOCK_N // 2) if EPILOGUE == 1 else tl.cdiv(N, BLOCK_N)
     # Grouped tile order (L2 reuse); which rows share a tile never changes a row's bits.
     per_group = GROUP_M * num_pid_n
     first_m = (pid // per_group) * GROUP_M
@@ -239,10 +350,9 @@ def _linear_kernel(
     pid_n = (pid % per_group) // group_rows
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, mask_n = _tile_columns(pid_n, N, HALF, EPILOGUE, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
-    mask_n = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm            # [BM, 1]
     w_cols = w_ptr + offs_n.to(tl.int64)[None, :] * stride_wn            # [1, BN]
 
@@ -288,14 +398,17 @@ def _linear_kernel(
             tl.store(cnt_ptr + pid, 0)
             if HAS_BIAS:
                 out = out + tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
-            tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty),
-                     mask=mask_m[:, None] & mask_n[None, :])
+            _store_tile(out, offs_m, mask_m, offs_n, mask_n, pid_n, N, y_ptr, stride_ym,
+                        stride_yn, cos_ptr, sin_ptr, stride_cs, slots_ptr, pos_ptr, kc_ptr,
+                        vc_ptr, stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch,
+                        stride_vcs, HALF, HQ, HKV, EPILOGUE, LIBDEVICE, BLOCK_M, BLOCK_N)
     else:
         if HAS_BIAS:
             total = total + tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
-        tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        _store_tile(total, offs_m, mask_m, offs_n, mask_n, pid_n, N, y_ptr, stride_ym,
+                    stride_yn, cos_ptr, sin_ptr, stride_cs, slots_ptr, pos_ptr, kc_ptr,
+                    vc_ptr, stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch,
+                    stride_vcs, HALF, HQ, HKV, EPILOGUE, LIBDEVICE, BLOCK_M, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["M", "seg_iters"])
@@ -373,6 +486,19 @@ def _linear_path(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[_Tile, boo
     return (_split_tile(dtype) if split else tile), split
 
 
+@dataclass(frozen=True)
+class _RopeKV:
+    """What the _ROPE_KV epilogue needs besides the product (see ``bi_linear_rope_kv``)."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    positions: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    n_q_heads: int
+    n_kv_heads: int
+
+
 def _launch_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -381,24 +507,34 @@ def _launch_linear(
     split: bool,
     k_segment: int | None = None,
     tma: bool | None = None,
+    epilogue: int = _STORE,
+    rope: _RopeKV | None = None,
 ) -> torch.Tensor:
     """Run one path. ``k_segment`` overrides the NUMERICS policy (benchmarks only);
-    ``tma`` forces the fused path's loads (None: TMA where the tensors allow it)."""
+    ``tma`` forces the fused path's loads (None: TMA where the tensors allow it).
+    ``epilogue`` _SILU_MUL or _ROPE_KV (``rope`` given) fuse the op after the product into
+    the store (not on the TMA path); the result is then silu(gate) * up [m, n/2], or q."""
     m, k = x.shape
     n = weight.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    out_n = n // 2 if epilogue == _SILU_MUL else n
+    if rope is not None:
+        out_n = n // (rope.n_q_heads + 2 * rope.n_kv_heads) * rope.n_q_heads
+    y = torch.empty((m, out_n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     seg = k_segment if k_segment is not None else linear_k_segment(n, k, x.dtype)
     assert seg % tile.block_k == 0, "K segment must be a multiple of BLOCK_K"
     seg_iters = seg // tile.block_k
     n_seg = triton.cdiv(k, seg)
-    n_tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n)
+    cols = tile.block_n // 2 if epilogue == _SILU_MUL else tile.block_n
+    n_tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(out_n if epilogue == _SILU_MUL
+                                                         else n, cols)
     split = split and _can_split(k, seg)
     interp = _interpreting()
-    if tma is None:
-        tma = tile.block_m >= 128 and _tma_ok(x, weight)  # the many-rows tile only
+    if tma is None:  # the many-rows tile only
+        tma = epilogue == _STORE and tile.block_m >= 128 and _tma_ok(x, weight)
     if not split and tma:
+        assert epilogue == _STORE, "the TMA path has no fused epilogue"
         _linear_tma_kernel[(n_tiles,)](
             TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k]),
             TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]),
@@ -420,11 +556,21 @@ def _launch_linear(
         part = y  # unused
         counters = y
         grid = (n_tiles,)
+    if rope is not None:
+        kc, vc = rope.k_cache, rope.v_cache
+        extra: tuple[object, ...] = (
+            rope.cos, rope.sin, rope.cos.stride(0), rope.slots, rope.positions, kc, vc,
+            kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
+            kc.shape[3] // 2)
+        heads = {"HQ": rope.n_q_heads, "HKV": rope.n_kv_heads}
+    else:
+        extra = (y, y, 0, y, y, y, y, 0, 0, 0, 0, 0, 0, 0)
+        heads = {}
     _linear_kernel[grid](
         x, weight, bias if bias is not None else y, y, part, counters,
-        m, n, k,
+        m, out_n if epilogue == _SILU_MUL else n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
-        seg_iters,
+        seg_iters, *extra,
         SEG_ITERS=seg_iters if split else 0,
         SPLIT=split,
         ONE_SEGMENT=(not split and n_seg == 1),
@@ -434,23 +580,93 @@ def _launch_linear(
         UPCAST=(interp and x.dtype == torch.bfloat16),
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
         GROUP_M=tile.group_m,
+        EPILOGUE=epilogue, LIBDEVICE=not interp, **heads,
         num_warps=tile.num_warps, num_stages=tile.num_stages,
+        # the fused epilogues are the torch formulas' operations, each rounded; the product
+        # has no multiply-add outside the MMA, so contraction off leaves its bits alone
+        enable_fp_fusion=epilogue == _STORE,
     )
     return y
+
+
+def _check_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, name: str
+) -> None:
+    assert x.ndim == 2 and weight.ndim == 2 and x.shape[1] == weight.shape[1], \
+        f"{name}: x[M,K], weight[N,K]: {tuple(x.shape)} vs {tuple(weight.shape)}"
+    assert x.dtype == weight.dtype, f"{name}: x {x.dtype} vs weight {weight.dtype}"
+    _check_dtype(x, name)
+    if bias is not None:
+        assert bias.shape == (weight.shape[0],) and bias.stride(0) == 1, f"{name}: bias[N]"
 
 
 def bi_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x[M, K] @ weight[N, K]^T (+ bias[N]) -> [M, N] in x's dtype, fp32 accumulation."""
-    assert x.ndim == 2 and weight.ndim == 2, "bi_linear: x[M,K], weight[N,K]"
-    assert x.shape[1] == weight.shape[1], f"bi_linear: K mismatch {x.shape} vs {weight.shape}"
-    assert x.dtype == weight.dtype, f"bi_linear: x {x.dtype} vs weight {weight.dtype}"
-    _check_dtype(x, "bi_linear")
-    if bias is not None:
-        assert bias.shape == (weight.shape[0],) and bias.stride(0) == 1, "bi_linear: bias[N]"
+    _check_linear(x, weight, bias, "bi_linear")
     tile, split = _linear_path(x.shape[0], weight.shape[0], x.shape[1], x.dtype)
     return _launch_linear(x, weight, bias, tile, split)
+
+
+#: Fuse silu(gate) * up and RoPE + the KV write into the linears before them where the path
+#: allows (``linear_silu_mul``, ``linear_rope_kv``); 0 runs them as separate launches (the
+#: same bits; benchmarks/engine_steps.py compares the two with ``FUSE_EPILOGUES=0``).
+FUSE_EPILOGUES = 1
+
+
+def _fusable(x: torch.Tensor, weight: torch.Tensor) -> tuple[_Tile, bool] | None:
+    """(tile, split) of the product if its path can carry a fused epilogue (not TMA)."""
+    if not FUSE_EPILOGUES:
+        return None
+    tile, split = _linear_path(x.shape[0], weight.shape[0], x.shape[1], x.dtype)
+    if not split and tile.block_m >= 128 and _tma_ok(x, weight):
+        return None
+    return tile, split
+
+
+
+
+def linear_silu_mul(
+    x: torch.Tensor, w_gate_up: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``silu_mul(*bi_linear(x, w_gate_up, bias).chunk(2, -1))`` bit for bit, [M, I]:
+    w_gate_up [2I, K] holds the gate rows, then the up rows. One launch where the product
+    runs on a non-TMA path (few rows: every decode step), else the two."""
+    _check_linear(x, w_gate_up, bias, "linear_silu_mul")
+    assert w_gate_up.shape[0] % 2 == 0, "linear_silu_mul: weight [2I, K]"
+    path = _fusable(x, w_gate_up)
+    if path is None:
+        gate, up = bi_linear(x, w_gate_up, bias).chunk(2, dim=-1)
+        return silu_mul(gate, up)
+    return _launch_linear(x, w_gate_up, bias, *path, epilogue=_SILU_MUL)
+
+
+def linear_rope_kv(
+    x: torch.Tensor, wqkv: torch.Tensor, bias: torch.Tensor | None,
+    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    slots: torch.Tensor, positions: torch.Tensor, n_q_heads: int, n_kv_heads: int,
+) -> torch.Tensor:
+    """``rope_qkv_to_cache(bi_linear(x, wqkv, bias), ...)`` bit for bit, returning q
+    [T, Hq, D] (k is only written to the cache). One launch where the product runs on a
+    non-TMA path whose tile holds whole rotation pairs, else the two."""
+    _check_linear(x, wqkv, bias, "linear_rope_kv")
+    t = x.shape[0]
+    d = wqkv.shape[0] // (n_q_heads + 2 * n_kv_heads)
+    assert d * (n_q_heads + 2 * n_kv_heads) == wqkv.shape[0] and d % 2 == 0
+    assert cos.dtype == sin.dtype == torch.float32 and cos.shape == (t, d // 2)
+    assert cos.stride(1) == 1 and sin.stride() == cos.stride()
+    assert k_cache.shape == v_cache.shape and tuple(k_cache.shape[1::2]) == (n_kv_heads, d)
+    assert k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert slots.shape == positions.shape == (t,)
+    path = _fusable(x, wqkv)
+    if path is None or (d // 2) % (path[0].block_n // 2) != 0:
+        q, _ = rope_qkv_to_cache(bi_linear(x, wqkv, bias), cos, sin, k_cache, v_cache,
+                                 slots, positions, n_q_heads, n_kv_heads, return_k=False)
+        return q
+    rope = _RopeKV(cos, sin, slots, positions, k_cache, v_cache, n_q_heads, n_kv_heads)
+    q = _launch_linear(x, wqkv, bias, *path, epilogue=_ROPE_KV, rope=rope)
+    return q.view(t, n_q_heads, d)
 
 
 # ----------------------------------------------------------------------------------------

@@ -210,8 +210,12 @@ def _attention_qkv(
     cfg = model.config
     t, d = h.shape[0], cfg.head_dim
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    qkv = ops.linear(h, layer.wqkv, layer.bqkv)                           # [T, (Hq+2Hkv)*D]
     cos, sin = rope
+    if not need_kv and ops.is_batch_invariant():     # the product and RoPE in one launch
+        q_rot = ck.linear_rope_kv(h, layer.wqkv, layer.bqkv, cos, sin, cache.k[index],
+                                  cache.v[index], slots, positions, hq, hkv)
+        return q_rot, None, None
+    qkv = ops.linear(h, layer.wqkv, layer.bqkv)                           # [T, (Hq+2Hkv)*D]
     q_rot, k_rot = ck.rope_qkv_to_cache(qkv, cos, sin, cache.k[index], cache.v[index],
                                         slots, positions, hq, hkv, return_k=need_kv)
     v_view = qkv[:, (hq + hkv) * d:].reshape(t, hkv, d) if need_kv else None  # [T, Hkv, D]
@@ -219,9 +223,7 @@ def _attention_qkv(
 
 
 def _mlp(layer: LayerWeights, h: Tensor) -> Tensor:
-    gate_up = ops.linear(h, layer.w_gate_up)                              # [T, 2I]
-    gate, up = gate_up.chunk(2, dim=-1)                                   # [T, I] each
-    return ops.linear(ops.silu_mul(gate, up), layer.w_down)               # [T, hidden]
+    return ops.linear(ops.linear_silu_mul(h, layer.w_gate_up), layer.w_down)  # [T, hidden]
 
 
 def _first_norm(model: Transformer, x: Tensor) -> Tensor:

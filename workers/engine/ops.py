@@ -172,6 +172,18 @@ def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
     return torch_kernels.fast_silu_mul(gate, up)
 
 
+def linear_silu_mul(x: Tensor, w_gate_up: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``silu_mul(gate, up)`` of ``linear(x, w_gate_up, bias)`` split in halves: the gate/up
+    projection and the product after it, [M, I]. On CUDA in batch-invariant mode one launch
+    where the product's path allows (``cuda_kernels.linear_silu_mul``): the same bits."""
+    if _BATCH_INVARIANT.get() and x.is_cuda:
+        module = cuda_kernels()
+        if module is not None:
+            return module.linear_silu_mul(x, w_gate_up, bias)  # type: ignore[no-any-return]
+    gate, up = linear(x, w_gate_up, bias).chunk(2, dim=-1)
+    return silu_mul(gate, up)
+
+
 def decode_attention(
     q: Tensor, k_cache: Tensor, v_cache: Tensor, seq_lens: Tensor, scale: float
 ) -> Tensor:
