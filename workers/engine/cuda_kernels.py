@@ -229,17 +229,20 @@ def _tile_columns(pid_n, N, HALF, EPILOGUE: tl.constexpr, BLOCK_N: tl.constexpr)
     together, BLOCK_N/2 columns from each half of one head (HALF: half the head dim).
     Which columns share a tile never changes an element's bits (see _Tile)."""
     j = tl.arange(0, BLOCK_N)
+    HB: tl.constexpr = BLOCK_N // 2
     if EPILOGUE == 0:
         rows = pid_n * BLOCK_N + j
-        return rows, rows < N
-    HB: tl.constexpr = BLOCK_N // 2
-    i = j % HB
-    if EPILOGUE == 1:
-        col = pid_n * HB + i
-        return tl.where(j < HB, col, N + col), col < N
-    per_head = HALF // HB
-    first = (pid_n // per_head) * (2 * HALF) + (pid_n % per_head) * HB + i
-    return tl.where(j < HB, first, first + HALF), first < N
+        exists = rows < N
+    elif EPILOGUE == 1:
+        col = pid_n * HB + j % HB
+        rows = tl.where(j < HB, col, N + col)
+        exists = col < N
+    else:
+        per_head = HALF // HB
+        first = (pid_n // per_head) * (2 * HALF) + (pid_n % per_head) * HB + j % HB
+        rows = tl.where(j < HB, first, first + HALF)
+        exists = first < N
+    return rows, exists
 
 
 @triton.jit
@@ -278,15 +281,30 @@ def _store_tile(
     if EPILOGUE == 0:
         y_ptrs = y_ptr + rows * stride_ym + cols[None, :] * stride_yn
         tl.store(y_ptrs, out.to(ty), mask=mask_m[:, None] & mask_n[None, :])
-        return
+    elif EPILOGUE == 1:
+        HB: tl.constexpr = BLOCK_N // 2
+        col = pid_n * HB + tl.arange(0, HB)
+        g, u = _halves(out.to(ty), BLOCK_M, BLOCK_N)                      # [BM, BN/2] each
+        tl.store(y_ptr + rows * stride_ym + col[None, :] * stride_yn,
+                 _silu_times(g, u, ty, LIBDEVICE), mask=mask_m[:, None] & (col < N)[None, :])
+    else:
+        _store_rope_kv(out.to(ty), rows, mask_m, offs_m, pid_n, y_ptr, stride_ym, cos_ptr,
+                       sin_ptr, stride_cs, slots_ptr, pos_ptr, kc_ptr, vc_ptr, stride_kcb,
+                       stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, HALF, HQ,
+                       HKV, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _store_rope_kv(
+    v, rows, mask_m, offs_m, pid_n, q_ptr, stride_q, cos_ptr, sin_ptr, stride_cs, slots_ptr,
+    pos_ptr, kc_ptr, vc_ptr, stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch,
+    stride_vcs, HALF, HQ: tl.constexpr, HKV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """``_rope_kv_kernel``'s operations on a rounded qkv tile of rotation pairs."""
     HB: tl.constexpr = BLOCK_N // 2
     i = tl.arange(0, HB)
-    a, b = _halves(out.to(ty), BLOCK_M, BLOCK_N)                          # [BM, BN/2] each
-    if EPILOGUE == 1:
-        col = pid_n * HB + i
-        tl.store(y_ptr + rows * stride_ym + col[None, :] * stride_yn,
-                 _silu_times(a, b, ty, LIBDEVICE), mask=mask_m[:, None] & (col < N)[None, :])
-        return
+    a, b = _halves(v, BLOCK_M, BLOCK_N)                                   # [BM, BN/2] each
     per_head = HALF // HB
     h = pid_n // per_head                      # q heads, then k heads, then v heads
     c0 = (pid_n % per_head) * HB
@@ -297,10 +315,10 @@ def _store_tile(
         s = tl.load(sin_ptr + cs, mask=mask, other=0.0)
         x1 = a.to(tl.float32)
         x2 = b.to(tl.float32)
-        o1 = (x1 * c - x2 * s).to(ty)
-        o2 = (x2 * c + x1 * s).to(ty)
+        o1 = (x1 * c - x2 * s).to(v.dtype)
+        o2 = (x2 * c + x1 * s).to(v.dtype)
         if h < HQ:
-            dst = y_ptr + rows * stride_ym + h * (2 * HALF) + c0 + i[None, :]
+            dst = q_ptr + rows * stride_q + h * (2 * HALF) + c0 + i[None, :]
         else:
             slot = tl.load(slots_ptr + offs_m, mask=mask_m, other=0)[:, None]
             pos = tl.load(pos_ptr + offs_m, mask=mask_m, other=0)[:, None]
