@@ -25,6 +25,7 @@ if not CUDA:
     # decorated, i.e. at the first `import triton` of the process.
     os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
 
 from workers.engine import cuda_kernels as ck  # noqa: E402
 
@@ -246,6 +247,55 @@ def test_log_softmax_invariant_and_accurate(dtype: torch.dtype) -> None:
         assert torch.equal(ck.bi_log_softmax(x[i:i + 1])[0], y[i])
 
 
+@triton.jit
+def _one_program_log_softmax(x_ptr, y_ptr, stride_x, stride_y, V, BLOCK: tl.constexpr):
+    """bi_log_softmax as one kernel (one program per row, three passes), as it was until
+    2026-12-04: the recorded logprobs' bits, which the two-launch version must keep."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    y_row = y_ptr + row * stride_y
+    offs = tl.arange(0, BLOCK)
+    run_max = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    for v0 in range(0, V, BLOCK):
+        x = tl.load(x_row + v0 + offs, mask=v0 + offs < V, other=float("-inf")).to(tl.float32)
+        run_max = tl.maximum(run_max, x)
+    row_max = tl.max(run_max, axis=0)
+    run_sum = tl.zeros([BLOCK], dtype=tl.float32)
+    for v0 in range(0, V, BLOCK):
+        x = tl.load(x_row + v0 + offs, mask=v0 + offs < V, other=float("-inf")).to(tl.float32)
+        run_sum += tl.exp(x - row_max)
+    log_sum = tl.log(tl.sum(run_sum, axis=0))
+    for v0 in range(0, V, BLOCK):
+        x = tl.load(x_row + v0 + offs, mask=v0 + offs < V, other=0.0).to(tl.float32)
+        tl.store(y_row + v0 + offs, (x - row_max) - log_sum, mask=v0 + offs < V)
+
+
+def _log_softmax_as_before(x: torch.Tensor) -> torch.Tensor:
+    m, v = x.shape
+    y = torch.empty((m, v), dtype=torch.float32, device=x.device)
+    _one_program_log_softmax[(m,)](x, y, x.stride(0), y.stride(0), v,
+                                   BLOCK=min(4096, triton.next_power_of_2(v)), num_warps=8)
+    return y
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_log_softmax_bits_are_the_one_kernel_version(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(6)
+    for v in (5000, 4096, 9000):
+        x = randn(3, v, dtype=dtype, gen=gen) * 6
+        assert torch.equal(ck.bi_log_softmax(x), _log_softmax_as_before(x)), f"V={v}"
+
+
+@gpu
+@needs_cuda
+def test_gpu_log_softmax_bits_are_the_one_kernel_version() -> None:
+    """Llama-3's vocabulary, the decode batch: the logprobs' bits did not change."""
+    g = torch.Generator(device="cuda").manual_seed(9)
+    x = torch.randn(64, 128256, device="cuda", generator=g) * 8
+    assert torch.equal(ck.bi_log_softmax(x).view(torch.int32),
+                       _log_softmax_as_before(x).view(torch.int32))
+
+
 # ----------------------------------------------------------------------------------------
 # Decode attention
 # ----------------------------------------------------------------------------------------
@@ -415,6 +465,24 @@ def _silu_mul_case(dtype: torch.dtype, i: int, k: int, rows: list[int], bias: bo
     assert int(ck._COUNTERS.get(DEV, 1).abs().sum()) == 0
 
 
+def _fp32_store_case(dtype: torch.dtype, n: int, k: int, rows: list[int]) -> None:
+    gen = torch.Generator().manual_seed(13)
+    w = randn(n, k, dtype=dtype, gen=gen) / math.sqrt(k)
+    for m in rows:
+        x = randn(m, k, dtype=dtype, gen=gen)
+        want = ck.bi_linear(x, w).float()
+        got = ck.bi_linear_fp32(x, w)
+        assert got.dtype == torch.float32 and torch.equal(got, want), f"M={m}"
+        for tile, split in _epilogue_paths(dtype):
+            got = ck._launch_linear(x, w, None, tile, split, out_dtype=torch.float32)
+            assert torch.equal(got, want), f"M={m}, {tile}, split={split}"
+
+
+def test_linear_fp32_store_is_the_linear_then_float() -> None:
+    """The LM head's logits stored widened in the product's launch: ``.float()``'s bits."""
+    _fp32_store_case(torch.bfloat16, n=300, k=1024, rows=[1, 5])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_linear_silu_mul_is_the_linear_then_silu_mul(dtype: torch.dtype) -> None:
     """Gate and up columns of one tile, silu(gate) * up in the store: the bits of the two
@@ -474,6 +542,8 @@ def test_gpu_fused_epilogues_llama_shapes(dtype: torch.dtype) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     _silu_mul_case(dtype, i=14336, k=4096, rows=[1, 7, 64, 100], bias=False)
     _rope_fused_case(dtype, hq=32, hkv=8, d=128, k=4096, rows=[1, 7, 64, 100], bias=False)
+    if dtype != torch.float32:
+        _fp32_store_case(dtype, n=128256, k=4096, rows=[1, 64, 100])
 
 
 # ----------------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ __all__ = [
     "bi_add_rms_norm",
     "bi_decode_attention",
     "bi_linear",
+    "bi_linear_fp32",
     "bi_log_softmax",
     "bi_prefill_attention",
     "bi_rms_norm",
@@ -271,16 +272,16 @@ def _store_tile(
     cos_ptr, sin_ptr, stride_cs, slots_ptr, pos_ptr, kc_ptr, vc_ptr,
     stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch, stride_vcs, HALF,
     HQ: tl.constexpr, HKV: tl.constexpr, EPILOGUE: tl.constexpr, LIBDEVICE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, XTY: tl.constexpr,
 ):
     """Write a finished fp32 tile (bias added): rounded to y's dtype as the linear's output
     is, then, for the fused epilogues, the very operations of ``silu_mul`` or of
     ``_rope_kv_kernel`` on those rounded values, so the same bits as the two launches."""
     ty = y_ptr.dtype.element_ty
     rows = offs_m.to(tl.int64)[:, None]
-    if EPILOGUE == 0:
+    if EPILOGUE == 0:  # rounded to x's dtype, then (fp32 logits) widened: exact
         y_ptrs = y_ptr + rows * stride_ym + cols[None, :] * stride_yn
-        tl.store(y_ptrs, out.to(ty), mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(y_ptrs, out.to(XTY).to(ty), mask=mask_m[:, None] & mask_n[None, :])
     elif EPILOGUE == 1:
         HB: tl.constexpr = BLOCK_N // 2
         col = pid_n * HB + tl.arange(0, HB)
@@ -419,14 +420,16 @@ def _linear_kernel(
             _store_tile(out, offs_m, mask_m, offs_n, mask_n, pid_n, N, y_ptr, stride_ym,
                         stride_yn, cos_ptr, sin_ptr, stride_cs, slots_ptr, pos_ptr, kc_ptr,
                         vc_ptr, stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch,
-                        stride_vcs, HALF, HQ, HKV, EPILOGUE, LIBDEVICE, BLOCK_M, BLOCK_N)
+                        stride_vcs, HALF, HQ, HKV, EPILOGUE, LIBDEVICE, BLOCK_M, BLOCK_N,
+                        x_ptr.dtype.element_ty)
     else:
         if HAS_BIAS:
             total = total + tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         _store_tile(total, offs_m, mask_m, offs_n, mask_n, pid_n, N, y_ptr, stride_ym,
                     stride_yn, cos_ptr, sin_ptr, stride_cs, slots_ptr, pos_ptr, kc_ptr,
                     vc_ptr, stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch,
-                    stride_vcs, HALF, HQ, HKV, EPILOGUE, LIBDEVICE, BLOCK_M, BLOCK_N)
+                    stride_vcs, HALF, HQ, HKV, EPILOGUE, LIBDEVICE, BLOCK_M, BLOCK_N,
+                        x_ptr.dtype.element_ty)
 
 
 @triton.jit(do_not_specialize=["M", "seg_iters"])
@@ -527,17 +530,19 @@ def _launch_linear(
     tma: bool | None = None,
     epilogue: int = _STORE,
     rope: _RopeKV | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Run one path. ``k_segment`` overrides the NUMERICS policy (benchmarks only);
     ``tma`` forces the fused path's loads (None: TMA where the tensors allow it).
     ``epilogue`` _SILU_MUL or _ROPE_KV (``rope`` given) fuse the op after the product into
-    the store (not on the TMA path); the result is then silu(gate) * up [m, n/2], or q."""
+    the store (not on the TMA path); the result is then silu(gate) * up [m, n/2], or q.
+    ``out_dtype`` float32: the product rounded to x's dtype, stored widened (not on TMA)."""
     m, k = x.shape
     n = weight.shape[0]
     out_n = n // 2 if epilogue == _SILU_MUL else n
     if rope is not None:
         out_n = n // (rope.n_q_heads + 2 * rope.n_kv_heads) * rope.n_q_heads
-    y = torch.empty((m, out_n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, out_n), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     seg = k_segment if k_segment is not None else linear_k_segment(n, k, x.dtype)
@@ -549,10 +554,11 @@ def _launch_linear(
                                                          else n, cols)
     split = split and _can_split(k, seg)
     interp = _interpreting()
+    plain = epilogue == _STORE and y.dtype == x.dtype
     if tma is None:  # the many-rows tile only
-        tma = epilogue == _STORE and tile.block_m >= 128 and _tma_ok(x, weight)
+        tma = plain and tile.block_m >= 128 and _tma_ok(x, weight)
     if not split and tma:
-        assert epilogue == _STORE, "the TMA path has no fused epilogue"
+        assert plain, "the TMA path has no fused epilogue and no fp32 store"
         _linear_tma_kernel[(n_tiles,)](
             TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k]),
             TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]),
@@ -625,6 +631,18 @@ def bi_linear(
     _check_linear(x, weight, bias, "bi_linear")
     tile, split = _linear_path(x.shape[0], weight.shape[0], x.shape[1], x.dtype)
     return _launch_linear(x, weight, bias, tile, split)
+
+
+def bi_linear_fp32(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``bi_linear(x, weight, bias).float()`` bit for bit (the LM head's logits), in one
+    launch where the path is not TMA (few rows: every decode step)."""
+    _check_linear(x, weight, bias, "bi_linear_fp32")
+    path = _fusable(x, weight)
+    if path is None or x.dtype == torch.float32:
+        return bi_linear(x, weight, bias).float()
+    return _launch_linear(x, weight, bias, *path, out_dtype=torch.float32)
 
 
 #: Fuse silu(gate) * up and RoPE + the KV write into the linears before them where the path
@@ -779,10 +797,11 @@ def bi_add_rms_norm(
 
 
 @triton.jit
-def _log_softmax_kernel(x_ptr, y_ptr, stride_x, stride_y, V, BLOCK: tl.constexpr):
+def _log_softmax_stats_kernel(x_ptr, stats_ptr, stride_x, V, BLOCK: tl.constexpr):
+    """A row's max and log of the sum of exp(x - max): one program per row, lanes of BLOCK
+    elements summed in V order, then one tree over the lanes (NUMERICS: BLOCK)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
-    y_row = y_ptr + row * stride_y
     offs = tl.arange(0, BLOCK)
     run_max = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
     for v0 in range(0, V, BLOCK):
@@ -793,14 +812,29 @@ def _log_softmax_kernel(x_ptr, y_ptr, stride_x, stride_y, V, BLOCK: tl.constexpr
     for v0 in range(0, V, BLOCK):
         x = tl.load(x_row + v0 + offs, mask=v0 + offs < V, other=float("-inf")).to(tl.float32)
         run_sum += tl.exp(x - row_max)
-    log_sum = tl.log(tl.sum(run_sum, axis=0))
-    for v0 in range(0, V, BLOCK):
-        x = tl.load(x_row + v0 + offs, mask=v0 + offs < V, other=0.0).to(tl.float32)
-        tl.store(y_row + v0 + offs, (x - row_max) - log_sum, mask=v0 + offs < V)
+    tl.store(stats_ptr + row * 2, row_max)
+    tl.store(stats_ptr + row * 2 + 1, tl.log(tl.sum(run_sum, axis=0)))
+
+
+@triton.jit
+def _log_softmax_out_kernel(x_ptr, stats_ptr, y_ptr, stride_x, stride_y, V,
+                            BLOCK: tl.constexpr):
+    """(x - max) - log_sum for one BLOCK of a row: elementwise, many programs per row."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row_max = tl.load(stats_ptr + row * 2)
+    log_sum = tl.load(stats_ptr + row * 2 + 1)
+    x = tl.load(x_ptr + row * stride_x + offs, mask=offs < V, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, (x - row_max) - log_sum, mask=offs < V)
 
 
 def bi_log_softmax(x: torch.Tensor) -> torch.Tensor:
-    """log_softmax over the last dim of x[M, V], computed and returned in fp32."""
+    """log_softmax over the last dim of x[M, V], computed and returned in fp32.
+
+    Two launches: each row's max and log-sum (one program per row: the reduction), then
+    the output with many programs per row (one program per row wrote it before 2026-12-04,
+    ~0.1 ms of every decode step at 64 x 128256 on an H200; the same bits, checked against
+    that kernel in tests/engine/test_cuda_kernels.py)."""
     assert x.ndim == 2, "bi_log_softmax: x[M,V]"
     _check_dtype(x, "bi_log_softmax")
     if x.stride(1) != 1:
@@ -810,7 +844,11 @@ def bi_log_softmax(x: torch.Tensor) -> torch.Tensor:
     if m == 0 or v == 0:
         return y
     block = min(4096, triton.next_power_of_2(v))  # NUMERICS: a function of V only
-    _log_softmax_kernel[(m,)](x, y, x.stride(0), y.stride(0), v, BLOCK=block, num_warps=8)
+    stats = torch.empty((m, 2), dtype=torch.float32, device=x.device)
+    _log_softmax_stats_kernel[(m,)](x, stats, x.stride(0), v, BLOCK=block, num_warps=8)
+    out_block = 1024
+    _log_softmax_out_kernel[(m, triton.cdiv(v, out_block))](
+        x, stats, y, x.stride(0), y.stride(0), v, BLOCK=out_block, num_warps=4)
     return y
 
 

@@ -124,6 +124,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return torch.nn.functional.linear(x, weight, bias)
 
 
+def logits(x: Tensor, weight: Tensor) -> Tensor:
+    """``linear(x, weight).float()``: the LM head, fp32 [M, V]. On CUDA in batch-invariant
+    mode the product is stored widened in the same launch (``cuda_kernels.bi_linear_fp32``;
+    the same bits, one 33 MB pass fewer per decode step at 64 x 128256)."""
+    if _BATCH_INVARIANT.get() and x.is_cuda:
+        module = cuda_kernels()
+        if module is not None:
+            return module.bi_linear_fp32(x, weight)  # type: ignore[no-any-return]
+    return linear(x, weight).float()
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """x [M, D], weight [D] -> [M, D]; computed in fp32, returned in x's dtype."""
     if _BATCH_INVARIANT.get():
