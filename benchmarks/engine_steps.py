@@ -17,7 +17,10 @@ compute stream around every graph replay and host timers around every blocking c
 Variants change one thing each, to attribute the difference: ``base`` (as shipped),
 ``nodigest`` (logits digests replaced by a stub: no staging copy, no D2H, no hashing),
 ``threads1``/``threads16`` (hashing threads), ``ring8`` (digest ring depth 8), and
-``torchsilu`` (torch's two kernels for silu(gate) * up instead of the fused one),
+``torchsilu`` (torch's two kernels for silu(gate) * up instead of the one-launch kernel;
+decode steps fuse it into the gate/up product unless ``FUSE_EPILOGUES=0`` is also set:
+``FUSE_EPILOGUES=0`` alone runs the product and the op after it as two launches, for the
+gate/up and the qkv projections),
 ``gcfreeze`` (``gc.freeze()`` first: collections skip everything alive before the run),
 ``profile`` (base under ``torch.profiler``: the top kernels and host ops outside the
 graph), ``NAME=INT`` (``workers.engine.cuda_kernels.NAME`` set to INT for the run, e.g.
@@ -245,6 +248,8 @@ def main() -> None:
             "launch_gaps_over_10ms", "graph_ms", "between_ms", "host_cpu_wait_ms",
             "host_ring_wait_ms", "gc_pause_total_ms", "gc_pause_max_ms", "decode_s",
             "prefill_s", "total_s"]
+    print(f"tracked objects before the variants: {len(gc.get_objects()):,} (all generations); "
+          f"thresholds {gc.get_threshold()}")
     print(" | ".join(cols))
     for variant in args.variants.split(","):
         r = run(engine, reqs, variant)
