@@ -5,9 +5,11 @@
 Batch invariance: every row's output bits depend only on that row's inputs (and the weights),
 never on how many other rows share the launch, where the row sits, or how large a cache was
 allocated. The engine's dispatch module imports this file lazily (CUDA, batch-invariant mode)
-and calls the five ``bi_*`` functions below; ``rope_qkv_to_cache`` is elementwise engine glue
-(RoPE + KV-cache write in one launch) that the model uses on CUDA in both modes. Nothing else
-is public API.
+and calls the ``bi_*`` functions below; ``rope_qkv_to_cache`` is elementwise engine glue
+(RoPE + KV-cache write in one launch) that the model uses on CUDA in both modes, and
+``linear_silu_mul`` / ``linear_rope_kv`` / ``bi_linear_fp32`` are ``bi_linear`` with the op
+after it (silu(gate) * up, RoPE + the KV write, the widening to fp32) in the same launch,
+bit for bit the two. Nothing else is public API.
 
 How each kernel stays invariant (docs/cuda_kernels.md has the long version and the numbers):
 
@@ -429,7 +431,7 @@ def _linear_kernel(
                     stride_yn, cos_ptr, sin_ptr, stride_cs, slots_ptr, pos_ptr, kc_ptr,
                     vc_ptr, stride_kcb, stride_kch, stride_kcs, stride_vcb, stride_vch,
                     stride_vcs, HALF, HQ, HKV, EPILOGUE, LIBDEVICE, BLOCK_M, BLOCK_N,
-                        x_ptr.dtype.element_ty)
+                    x_ptr.dtype.element_ty)
 
 
 @triton.jit(do_not_specialize=["M", "seg_iters"])
@@ -509,7 +511,7 @@ def _linear_path(m: int, n: int, k: int, dtype: torch.dtype) -> tuple[_Tile, boo
 
 @dataclass(frozen=True)
 class _RopeKV:
-    """What the _ROPE_KV epilogue needs besides the product (see ``bi_linear_rope_kv``)."""
+    """What the _ROPE_KV epilogue needs besides the product (see ``linear_rope_kv``)."""
     cos: torch.Tensor
     sin: torch.Tensor
     slots: torch.Tensor
@@ -659,8 +661,6 @@ def _fusable(x: torch.Tensor, weight: torch.Tensor) -> tuple[_Tile, bool] | None
     if not split and tile.block_m >= 128 and _tma_ok(x, weight):
         return None
     return tile, split
-
-
 
 
 def linear_silu_mul(

@@ -279,7 +279,7 @@ def prefill(
                                               layer.bo), layer.ffn_norm, eps)
         x, h = ops.add_rms_norm(x, _mlp(layer, h), _next_norm(model, i), eps)
     last = cu_seqlens[1:].to(torch.int64) - 1                             # [C]
-    return ops.logits(h[last], model.lm_head)                     # h: final norm
+    return ops.logits(h[last], model.lm_head)                             # h: final norm
 
 
 def chunk_table(
@@ -325,4 +325,4 @@ def decode_one_token(
         x, h = ops.add_rms_norm(x, ops.linear(attn.reshape(b, -1), layer.wo, layer.bo),
                                 layer.ffn_norm, eps)                      # [B, hidden]
         x, h = ops.add_rms_norm(x, _mlp(layer, h), _next_norm(model, i), eps)
-    return ops.logits(h, model.lm_head)                           # h: final norm
+    return ops.logits(h, model.lm_head)                                   # h: final norm
