@@ -809,7 +809,6 @@ def fused_epilogues() -> dict[str, Any]:
     """At the decode batch: the gate/up product with silu(gate) * up in its store, and the
     qkv product with RoPE + the KV write in its store, against the two launches each (us
     per pair of ops in a graph; mismatching outputs of 3 vs the two launches)."""
-    errors = _launch_errors()
     out: dict[str, Any] = {}
     dt, m = torch.bfloat16, C.batch
     hq, hkv, d = C.n_heads, C.n_kv_heads, C.head_dim
@@ -830,19 +829,11 @@ def fused_epilogues() -> dict[str, Any]:
         def one(x: torch.Tensor, w: torch.Tensor, tile: ck._Tile = tile) -> torch.Tensor:
             return ck._launch_linear(x, w, None, tile, False, epilogue=ck._SILU_MUL)
 
-        name = f"fused {bn}w{warps}s{stages}"
-        try:
-            bad = sum(not torch.equal(one(xs[i], ws[i]), r) for i, r in enumerate(refs))
-            us = graph_time_us([lambda x=x, w=w, one=one: one(x, w)
-                                for x, w in zip(xs, ws, strict=True)])
-        except errors as exc:
-            row[name] = {"error": str(exc).splitlines()[0][:120]}
-            continue
-        row[name] = {"us": us, "mismatch": bad}
+        _time_variant(row, f"fused {bn}w{warps}s{stages}", one, xs, ws,
+                      lambda one=one, xs=xs, ws=ws, refs=refs: sum(
+                          not torch.equal(one(xs[i], ws[i]), r) for i, r in enumerate(refs)))
     out[f"gate_up+silu_mul/{m}"] = row
-    log(f"  gate_up {n}x{k} + silu_mul, M={m}: " + " ".join(
-        f"{kk}={v['us']:.1f}" + (f"!{v['mismatch']}" if v.get("mismatch") else "")
-        if "us" in v else f"{kk}=ERR" for kk, v in row.items()))
+    _log_row(f"  gate_up {n}x{k} + silu_mul, M={m}: ", row)
     del ws, xs, refs
 
     n, k = C.linear_shapes["qkv"]
@@ -881,23 +872,36 @@ def fused_epilogues() -> dict[str, Any]:
                   split: bool = split) -> torch.Tensor:
             return ck._launch_linear(x, w, None, tile, split, epilogue=ck._ROPE_KV, rope=rope)
 
-        name = (f"fused {tile.block_n}w{tile.num_warps}s{tile.num_stages}"
-                f"{'split' if split else ''}")
-        try:
-            bad = sum(any(not torch.equal(a, b) for a, b in
-                          zip(state(one_r(xs[i], ws[i]).view(m, hq, d)), r, strict=True))
-                      for i, r in enumerate(refs_r))
-            us = graph_time_us([lambda x=x, w=w, one_r=one_r: one_r(x, w)
-                                for x, w in zip(xs, ws, strict=True)])
-        except errors as exc:
-            row[name] = {"error": str(exc).splitlines()[0][:120]}
-            continue
-        row[name] = {"us": us, "mismatch": bad}
+        def bad_r(one_r: Callable[..., torch.Tensor] = one_r) -> int:
+            return sum(any(not torch.equal(a, b) for a, b in
+                           zip(state(one_r(xs[i], ws[i]).view(m, hq, d)), r, strict=True))
+                       for i, r in enumerate(refs_r))
+
+        _time_variant(row, f"fused {tile.block_n}w{tile.num_warps}s{tile.num_stages}"
+                      f"{'split' if split else ''}", one_r, xs, ws, bad_r)
     out[f"qkv+rope_kv/{m}"] = row
-    log(f"  qkv {n}x{k} + RoPE/KV write, M={m}: " + " ".join(
+    _log_row(f"  qkv {n}x{k} + RoPE/KV write, M={m}: ", row)
+    return out
+
+
+def _time_variant(row: dict[str, Any], name: str, fn: Callable[..., torch.Tensor],
+                  xs: list[torch.Tensor], ws: list[torch.Tensor],
+                  mismatches: Callable[[], int]) -> None:
+    """row[name]: fn's us per call over the input sets and its mismatching outputs (or the
+    error of a launch the GPU cannot run)."""
+    try:
+        bad = mismatches()
+        us = graph_time_us([lambda x=x, w=w: fn(x, w) for x, w in zip(xs, ws, strict=True)])
+    except _launch_errors() as exc:
+        row[name] = {"error": str(exc).splitlines()[0][:120]}
+        return
+    row[name] = {"us": us, "mismatch": bad}
+
+
+def _log_row(label: str, row: dict[str, Any]) -> None:
+    log(label + " ".join(
         f"{kk}={v['us']:.1f}" + (f"!{v['mismatch']}" if v.get("mismatch") else "")
         if "us" in v else f"{kk}=ERR" for kk, v in row.items()))
-    return out
 
 
 def other_timings() -> dict[str, Any]:
