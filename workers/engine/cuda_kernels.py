@@ -541,7 +541,9 @@ def _launch_linear(
     ``out_dtype`` float32: the product rounded to x's dtype, stored widened (not on TMA)."""
     m, k = x.shape
     n = weight.shape[0]
-    out_n = n // 2 if epilogue == _SILU_MUL else n
+    # the kernel's N: the columns its tiles cover (_SILU_MUL: gate's, up's are beside them)
+    cols_n = n // 2 if epilogue == _SILU_MUL else n
+    out_n = cols_n
     if rope is not None:
         out_n = n // (rope.n_q_heads + 2 * rope.n_kv_heads) * rope.n_q_heads
     y = torch.empty((m, out_n), dtype=out_dtype or x.dtype, device=x.device)
@@ -552,8 +554,7 @@ def _launch_linear(
     seg_iters = seg // tile.block_k
     n_seg = triton.cdiv(k, seg)
     cols = tile.block_n // 2 if epilogue == _SILU_MUL else tile.block_n
-    n_tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(out_n if epilogue == _SILU_MUL
-                                                         else n, cols)
+    n_tiles = triton.cdiv(m, tile.block_m) * triton.cdiv(cols_n, cols)
     split = split and _can_split(k, seg)
     interp = _interpreting()
     plain = epilogue == _STORE and y.dtype == x.dtype
@@ -594,7 +595,7 @@ def _launch_linear(
         heads = {}
     _linear_kernel[grid](
         x, weight, bias if bias is not None else y, y, part, counters,
-        m, out_n if epilogue == _SILU_MUL else n, k,
+        m, cols_n, k,
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), y.stride(0), y.stride(1),
         seg_iters, *extra,
         SEG_ITERS=seg_iters if split else 0,

@@ -107,6 +107,12 @@ def backend_name(device: str | torch.device, batch_invariant: bool) -> str:
     return "torch-bi"
 
 
+def _bi_cuda(x: Tensor) -> Any:
+    """``cuda_kernels`` if the invariant mode is on and ``x`` lives where it runs, else None
+    (the ops the CPU kernels have no single-launch form of)."""
+    return cuda_kernels() if _BATCH_INVARIANT.get() and x.is_cuda else None
+
+
 def _bi(x: Tensor) -> Any:
     """The batch-invariant kernel module for ``x``'s device."""
     if x.is_cuda:
@@ -128,10 +134,8 @@ def logits(x: Tensor, weight: Tensor) -> Tensor:
     """``linear(x, weight).float()``: the LM head, fp32 [M, V]. On CUDA in batch-invariant
     mode the product is stored widened in the same launch (``cuda_kernels.bi_linear_fp32``;
     the same bits, one 33 MB pass fewer per decode step at 64 x 128256)."""
-    if _BATCH_INVARIANT.get() and x.is_cuda:
-        module = cuda_kernels()
-        if module is not None:
-            return module.bi_linear_fp32(x, weight)  # type: ignore[no-any-return]
+    if (module := _bi_cuda(x)) is not None:
+        return module.bi_linear_fp32(x, weight)  # type: ignore[no-any-return]
     return linear(x, weight).float()
 
 
@@ -150,10 +154,8 @@ def add_rms_norm(
     """``(x + residual, rms_norm(x + residual, weight, eps))``: a residual add and the norm
     after it. The sum is rounded to x's dtype first, as ``x + residual`` is; on CUDA in
     batch-invariant mode one launch (``cuda_kernels.bi_add_rms_norm``) gives those bits."""
-    if _BATCH_INVARIANT.get() and x.is_cuda:
-        module = cuda_kernels()
-        if module is not None:
-            return module.bi_add_rms_norm(x, residual, weight, eps)  # type: ignore[no-any-return]
+    if (module := _bi_cuda(x)) is not None:
+        return module.bi_add_rms_norm(x, residual, weight, eps)  # type: ignore[no-any-return]
     total = x + residual
     return total, rms_norm(total, weight, eps)
 
@@ -187,10 +189,8 @@ def linear_silu_mul(x: Tensor, w_gate_up: Tensor, bias: Tensor | None = None) ->
     """``silu_mul(gate, up)`` of ``linear(x, w_gate_up, bias)`` split in halves: the gate/up
     projection and the product after it, [M, I]. On CUDA in batch-invariant mode one launch
     where the product's path allows (``cuda_kernels.linear_silu_mul``): the same bits."""
-    if _BATCH_INVARIANT.get() and x.is_cuda:
-        module = cuda_kernels()
-        if module is not None:
-            return module.linear_silu_mul(x, w_gate_up, bias)  # type: ignore[no-any-return]
+    if (module := _bi_cuda(x)) is not None:
+        return module.linear_silu_mul(x, w_gate_up, bias)  # type: ignore[no-any-return]
     gate, up = linear(x, w_gate_up, bias).chunk(2, dim=-1)
     return silu_mul(gate, up)
 
