@@ -342,6 +342,76 @@ def test_decode_attention_invariant_and_accurate(dtype: torch.dtype) -> None:
     assert int(ck._COUNTERS.get(DEV, 1).abs().sum()) == 0
 
 
+def _slots_read_the_slot_bits(dtype: torch.dtype, hq: int, hkv: int, d: int, slots_n: int,
+                              s_alloc: int, rows: list[tuple[int, int]], seed: int) -> None:
+    """Rows (slot, length) through ``slots=`` on the whole cache give the bits of the same
+    rows each over its own slot's cache (the chunk path's stride-0 views, and a copy)."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = 1 / math.sqrt(d)
+    kbuf = randn(slots_n, hkv, s_alloc + 16, d, dtype=dtype, gen=gen)
+    vbuf = randn(slots_n, hkv, s_alloc + 16, d, dtype=dtype, gen=gen)
+    kc, vc = kbuf[:, :, :s_alloc], vbuf[:, :, :s_alloc]           # strided, as the engine's
+    q = randn(len(rows), hq, d, dtype=dtype, gen=gen)
+    slots = torch.tensor([s for s, _ in rows], dtype=torch.int64, device=DEV)
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int32, device=DEV)
+    out = ck.bi_decode_attention(q, kc, vc, lens, scale, slots=slots)
+    for r, (slot, n) in enumerate(rows):
+        stop = n + (r % 3) * 7                   # the chunk path's views end past the row
+        view = ck.bi_decode_attention(q[r:r + 1], kc[slot:slot + 1, :, :stop],
+                                      vc[slot:slot + 1, :, :stop], lens[r:r + 1], scale)
+        assert torch.equal(out[r], view[0]), f"row {r} (slot {slot}, length {n}) differs"
+    gathered = ck.bi_decode_attention(q, kc[slots], vc[slots], lens, scale)
+    assert torch.equal(out, gathered)
+    assert rel_err(out, ref_decode(q, kc[slots], vc[slots], lens, scale)) < TOL[dtype]
+    assert int(ck._COUNTERS.get(DEV, 1).abs().sum()) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_with_slots_reads_each_rows_slot(dtype: torch.dtype) -> None:
+    """Prompt rows of several slots in one launch (``ops.rows_attention``): several rows of
+    one slot at consecutive lengths, 1 to 3 KV splits, slots out of order."""
+    rows = [(2, 1), (0, 300), (2, 299), (2, 300), (1, 600), (0, 17)]
+    _slots_read_the_slot_bits(dtype, 8, 2, 64, 3, 600, rows, seed=11)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gpu_decode_attention_with_slots_llama_shapes(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(12)
+    rows = [(int(torch.randint(0, 6, (1,), generator=gen)),
+             int(torch.randint(1, 1000, (1,), generator=gen))) for _ in range(200)]
+    rows += [(5, n) for n in range(380, 520)]          # a prompt chunk after a prefix hit
+    _slots_read_the_slot_bits(dtype, 32, 8, 128, 6, 1024, rows, seed=12)
+
+
+@gpu
+@needs_cuda
+def test_gpu_rows_attention_is_the_chunk_path() -> None:
+    """``ops.rows_attention`` (the prompt forward's one launch per layer on CUDA) gives the
+    bits ``ops.chunk_attention`` gave: chunks of three slots, starting at 0 and past it."""
+    from workers.engine import ops
+
+    gen = torch.Generator().manual_seed(13)
+    hq, hkv, d, s_alloc = 32, 8, 128, 1024
+    kc = randn(4, hkv, s_alloc, d, dtype=torch.bfloat16, gen=gen)
+    vc = randn(4, hkv, s_alloc, d, dtype=torch.bfloat16, gen=gen)
+    spans = [(1, 0, 61), (3, 384, 128), (0, 700, 1), (2, 0, 512)]   # (slot, p0, n)
+    chunks, slots, positions, row = [], [], [], 0
+    for slot, p0, n in spans:
+        chunks.append((slot, row, n, p0))
+        slots += [slot] * n
+        positions += range(p0, p0 + n)
+        row += n
+    q = randn(row, hq, d, dtype=torch.bfloat16, gen=gen)
+    pos = torch.tensor(positions, device=DEV)
+    with ops.batch_invariant_mode(True):
+        old = ops.chunk_attention(q, kc, vc, chunks, d ** -0.5)
+        new = ops.rows_attention(q, kc, vc, torch.tensor(slots, device=DEV),
+                                 (pos + 1).to(torch.int32), d ** -0.5)
+    assert torch.equal(old, new)
+
+
 # ----------------------------------------------------------------------------------------
 # Prefill attention
 # ----------------------------------------------------------------------------------------

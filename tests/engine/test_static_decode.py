@@ -16,12 +16,18 @@ import torch
 from tests.engine.test_invariance import differing_requests, random_pool, signature
 from workers.engine import load_engine
 from workers.engine.model import KVCache, decode_one_token, prefill
-from workers.engine.static_decode import decode_bucket
+from workers.engine.static_decode import PREFILL_BUCKETS, decode_bucket, prefill_bucket
 
 
 def test_decode_bucket() -> None:
     assert [decode_bucket(b) for b in (1, 2, 3, 4, 5, 31, 32, 33, 64, 65)] == \
         [1, 2, 4, 4, 8, 32, 32, 64, 64, 128]
+
+
+def test_prefill_bucket() -> None:
+    assert [prefill_bucket(n) for n in (1, 16, 17, 128, 129, 300, 512)] == \
+        [16, 16, 32, 128, 192, 320, 512]
+    assert prefill_bucket(513) is None and list(PREFILL_BUCKETS) == sorted(PREFILL_BUCKETS)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -65,3 +71,26 @@ def test_static_decode_step_needs_no_rope_growth() -> None:
     assert model._rope_cos is table
     again = decode_one_token(model, cache, tokens, positions)
     assert torch.equal(static, again)
+
+
+def test_kv_cache_layers_are_views_of_one_buffer() -> None:
+    """Every layer's k and v live in ``kv``: a slot move and a growth carry all of them."""
+    engine = load_engine("tiny-demo")
+    cfg = engine.model.config
+    cache = KVCache(cfg, 3, 32, dtype=torch.float32, device=torch.device("cpu"))
+    assert len(cache.k) == len(cache.v) == cfg.num_hidden_layers
+    g = torch.Generator().manual_seed(0)
+    for t in cache.k + cache.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    assert torch.equal(cache.kv[1, -1], cache.v[-1])
+    before = [t.clone() for t in cache.k + cache.v]
+    cache.move_slot(2, 0)
+    for old, new in zip(before, cache.k + cache.v, strict=True):
+        assert torch.equal(new[0], old[2]) and torch.equal(new[1:], old[1:])
+    moved = [t.clone() for t in cache.k + cache.v]
+    bigger = cache.grow(5, 48)
+    assert (bigger.slots, bigger.max_seq) == (5, 48)
+    for old, new in zip(moved, bigger.k + bigger.v, strict=True):
+        assert torch.equal(new[:3, :, :32], old) and not new[3:].any() and not new[:, :, 32:].any()
+    bigger.k[0][4, 0, 40] = 1.0
+    assert bigger.kv[0, 0, 4, 0, 40].eq(1.0).all()

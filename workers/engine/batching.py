@@ -42,7 +42,6 @@ from torch import Tensor
 from workers.engine import ops
 from workers.engine.api import GenerationRequest, GenerationResult, TokenListener
 from workers.engine.digests import CpuDigester, CudaDigester, hashing_threads
-from workers.engine.model import prefill
 from workers.engine.sampling import BatchSampler
 
 if TYPE_CHECKING:
@@ -310,8 +309,7 @@ class ContinuousBatcher:
                                   dtype=torch.int64).to(dev, non_blocking=True)
             tokens, positions, slots = inputs[:3 * packed].view(3, packed)
             cu = inputs[3 * packed:].to(torch.int32)
-            logits = prefill(engine.model, cache, tokens, positions, slots, cu,
-                             chunks)                                            # [C, V]
+            logits = engine._prefill(cache, tokens, positions, slots, cu, chunks)  # [C, V]
             for row, (slot, p0, n) in enumerate(group):
                 seq = self._active[slot]
                 seq.prefilled = p0 + n

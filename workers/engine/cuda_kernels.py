@@ -1005,7 +1005,7 @@ _DECODE_BLOCK_N = 64    # NUMERICS: keys per inner step
 
 @triton.jit(do_not_specialize=["n_kv_heads", "max_splits"])
 def _decode_attention_kernel(
-    q_ptr, k_ptr, v_ptr, lens_ptr, o_ptr, part_o_ptr, part_ml_ptr, cnt_ptr,
+    q_ptr, k_ptr, v_ptr, lens_ptr, slots_ptr, o_ptr, part_o_ptr, part_ml_ptr, cnt_ptr,
     stride_qb, stride_qh,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
@@ -1013,11 +1013,17 @@ def _decode_attention_kernel(
     n_kv_heads, max_splits, scale_log2,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_SLOTS: tl.constexpr,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     seq_len = tl.load(lens_ptr + b)
+    # row b reads cache slot slots[b] (prompt rows), else slot b (decode)
+    if HAS_SLOTS:  # noqa: SIM108  (a constexpr branch: compiled out)
+        c = tl.load(slots_ptr + b).to(tl.int64)
+    else:
+        c = b
     start = split * SPLIT
 
     offs_g = tl.arange(0, G_PAD)
@@ -1032,8 +1038,8 @@ def _decode_attention_kernel(
         n_needed = tl.cdiv(seq_len, SPLIT)
         q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=out_mask, other=0.0)                             # [G_PAD, D]
-        k_base = k_ptr + b * stride_kb + kvh * stride_kh
-        v_base = v_ptr + b * stride_vb + kvh * stride_vh
+        k_base = k_ptr + c * stride_kb + kvh * stride_kh
+        v_base = v_ptr + c * stride_vb + kvh * stride_vh
         m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
@@ -1100,13 +1106,17 @@ def bi_decode_attention(
     v_cache: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decode step of attention per row: q[B,Hq,D] over the first seq_lens[b] cache slots.
+    """One decode step of attention per row: q[B,Hq,D] over the first seq_lens[b] positions
+    of cache slot b, or of slot ``slots[b]`` (int64 [B]: prompt rows, any number per slot).
 
-    k_cache/v_cache[B, Hkv, S, D] may be strided views (last dim contiguous). GQA: Hq is a
-    multiple of Hkv. Returns [B, Hq, D] in q's dtype.
+    k_cache/v_cache[slots, Hkv, S, D] may be strided views (last dim contiguous); without
+    ``slots`` they have B slots. GQA: Hq is a multiple of Hkv. Returns [B, Hq, D] in q's
+    dtype. A row's bits do not depend on which slot it reads or on S, only on the keys and
+    values up to its length.
     """
-    return _launch_decode_attention(q, k_cache, v_cache, seq_lens, scale)
+    return _launch_decode_attention(q, k_cache, v_cache, seq_lens, scale, slots=slots)
 
 
 def _launch_decode_attention(
@@ -1119,6 +1129,7 @@ def _launch_decode_attention(
     block_n: int = _DECODE_BLOCK_N,
     num_warps: int = 4,
     num_stages: int | None = None,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``bi_decode_attention`` with its launch constants as arguments (benchmarks only:
     ``split_size`` and ``block_n`` are NUMERICS, warps and stages are measured)."""
@@ -1126,7 +1137,11 @@ def _launch_decode_attention(
         "bi_decode_attention: q[B,Hq,D], k/v_cache[B,Hkv,S,D]"
     bsz, n_q_heads, head_dim = q.shape
     _, n_kv_heads, max_seq, _ = k_cache.shape
-    assert k_cache.shape[0] == bsz and k_cache.shape[3] == head_dim, "cache shape mismatch"
+    assert k_cache.shape[3] == head_dim, "cache shape mismatch"
+    if slots is None:
+        assert k_cache.shape[0] == bsz, "cache shape mismatch: one slot per row"
+    else:
+        assert slots.shape == (bsz,) and slots.dtype == torch.int64, "slots[B] int64"
     assert n_q_heads % n_kv_heads == 0, "Hq must be a multiple of Hkv"
     assert seq_lens.shape == (bsz,) and seq_lens.dtype == torch.int32, "seq_lens[B] int32"
     assert q.dtype == k_cache.dtype == v_cache.dtype, "q/k/v dtypes differ"
@@ -1148,7 +1163,8 @@ def _launch_decode_attention(
     fp32 = q.dtype == torch.float32
     grid = (max_splits, n_kv_heads, bsz)
     _decode_attention_kernel[grid](
-        q, k_cache, v_cache, seq_lens, out, part_o, part_ml, counters,
+        q, k_cache, v_cache, seq_lens, slots if slots is not None else seq_lens, out,
+        part_o, part_ml, counters,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -1157,7 +1173,7 @@ def _launch_decode_attention(
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         SPLIT=split_size, BLOCK_N=block_n, IEEE=fp32,
-        UPCAST=(interp and q.dtype == torch.bfloat16),
+        UPCAST=(interp and q.dtype == torch.bfloat16), HAS_SLOTS=slots is not None,
         num_warps=num_warps,
         num_stages=num_stages if num_stages is not None else (2 if fp32 else 3),
     )

@@ -124,18 +124,22 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class KVCache:
-    """Per layer k and v buffers [slots, Hkv, max_seq, D] (gpt-fast), written in place."""
+    """Per layer k and v buffers [slots, Hkv, max_seq, D] (gpt-fast), written in place.
+
+    All of them are views of one buffer ``kv`` [2, layers, slots, Hkv, max_seq, D] (k, v),
+    so a copy across every layer (a slot move, a prefix-cache page) is one launch."""
 
     def __init__(
         self, config: ModelConfig, slots: int, max_seq: int, *, dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        shape = (slots, config.num_key_value_heads, max_seq, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device)
-                  for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device)
-                  for _ in range(config.num_hidden_layers)]
-        self.slots, self.max_seq = slots, max_seq
+        self._set(torch.zeros((2, config.num_hidden_layers, slots, config.num_key_value_heads,
+                               max_seq, config.head_dim), dtype=dtype, device=device))
+
+    def _set(self, kv: Tensor) -> None:
+        self.kv = kv
+        self.k, self.v = list(kv[0].unbind(0)), list(kv[1].unbind(0))
+        self.slots, self.max_seq = kv.shape[2], kv.shape[4]
 
     def write(self, layer: int, slots: Tensor, positions: Tensor, k: Tensor, v: Tensor) -> None:
         """Store k, v [T, Hkv, D] at (slot, position) pairs [T]."""
@@ -145,21 +149,16 @@ class KVCache:
     def grow(self, slots: int, max_seq: int) -> KVCache:
         """A larger cache holding this one's contents (slots and positions keep their
         place). The old buffers are released once the caller drops this object."""
+        shape = list(self.kv.shape)
+        shape[2], shape[4] = max(slots, self.slots), max(max_seq, self.max_seq)
+        kv = self.kv.new_zeros(shape)
+        kv[:, :, :self.slots, :, :self.max_seq] = self.kv
         bigger = KVCache.__new__(KVCache)
-        bigger.slots, bigger.max_seq = max(slots, self.slots), max(max_seq, self.max_seq)
-        bigger.k, bigger.v = [], []
-        for k, v in zip(self.k, self.v, strict=True):
-            shape = (bigger.slots, k.shape[1], bigger.max_seq, k.shape[3])
-            for old, new in ((k, bigger.k), (v, bigger.v)):
-                buf = old.new_zeros(shape)
-                buf[:self.slots, :, :self.max_seq] = old
-                new.append(buf)
+        bigger._set(kv)
         return bigger
 
     def move_slot(self, src: int, dst: int) -> None:
-        for k, v in zip(self.k, self.v, strict=True):
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
+        self.kv[:, :, dst].copy_(self.kv[:, :, src])
 
 
 def _attention_inputs(
@@ -259,10 +258,14 @@ def prefill(
     scale = cfg.head_dim ** -0.5
     if chunks is None:
         chunks = chunk_table(cu_seqlens, slots, positions)
+    model.ensure_rope(max((p0 + n for _, _, n, p0 in chunks), default=0))
+    last = cu_seqlens[1:].to(torch.int64) - 1                             # [C]
+    if ops.rows_attention_applies(model.embed):
+        return prefill_rows(model, cache, tokens, positions, slots,
+                            (positions + 1).to(torch.int32), last)
     whole = all(p0 == 0 for _, _, _, p0 in chunks)      # default mode may use flash SDPA
     fast_whole = whole and not ops.is_batch_invariant()
     x = model.embed[tokens]                                               # [T, hidden]
-    model.ensure_rope(max((p0 + n for _, _, n, p0 in chunks), default=0))
     rope = model.rope_at(positions)
     eps = cfg.rms_norm_eps
     h = _first_norm(model, x)
@@ -278,7 +281,31 @@ def prefill(
         x, h = ops.add_rms_norm(x, ops.linear(attn.reshape(x.shape[0], -1), layer.wo,
                                               layer.bo), layer.ffn_norm, eps)
         x, h = ops.add_rms_norm(x, _mlp(layer, h), _next_norm(model, i), eps)
-    last = cu_seqlens[1:].to(torch.int64) - 1                             # [C]
+    return ops.logits(h[last], model.lm_head)                             # h: final norm
+
+
+def prefill_rows(
+    model: Transformer, cache: KVCache, tokens: Tensor, positions: Tensor, slots: Tensor,
+    seq_lens: Tensor, last: Tensor,
+) -> Tensor:
+    """``prefill`` in batch-invariant mode on CUDA: packed prompt rows, each token at
+    (slot, position) attending over its slot's cache up to ``seq_lens`` (position + 1)
+    with one decode-kernel launch per layer (``ops.rows_attention``). fp32 logits of the
+    rows ``last`` [C] int64. No host sync (``StaticDecoder`` captures it as a CUDA graph);
+    the caller has sized the RoPE tables past every position."""
+    cfg = model.config
+    scale = cfg.head_dim ** -0.5
+    eps = cfg.rms_norm_eps
+    x = model.embed[tokens]                                               # [T, hidden]
+    rope = model.rope_at(positions)
+    h = _first_norm(model, x)
+    for i, layer in enumerate(model.layers):
+        q, _, _ = _attention_qkv(model, layer, i, h, rope, cache, slots, positions,
+                                 need_kv=False)
+        attn = ops.rows_attention(q, cache.k[i], cache.v[i], slots, seq_lens, scale)
+        x, h = ops.add_rms_norm(x, ops.linear(attn.reshape(x.shape[0], -1), layer.wo,
+                                              layer.bo), layer.ffn_norm, eps)
+        x, h = ops.add_rms_norm(x, _mlp(layer, h), _next_norm(model, i), eps)
     return ops.logits(h[last], model.lm_head)                             # h: final norm
 
 

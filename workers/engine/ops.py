@@ -221,7 +221,8 @@ def prefill_attention(
     return torch_kernels.fast_prefill_attention(q, k, v, cu_seqlens, scale)
 
 
-#: Query rows per decode-kernel call in ``chunk_attention`` times KV heads (not numerics).
+#: Query rows per decode-kernel call in ``chunk_attention`` and ``rows_attention``, times
+#: KV heads (not numerics).
 _CHUNK_ROWS_PER_CALL = 4096
 
 
@@ -261,4 +262,38 @@ def chunk_attention(
         else:
             out[row:row + n] = torch_kernels.fast_chunk_attention(
                 qs, k_cache[slot, :, :end], v_cache[slot, :, :end], p0, scale)
+    return out
+
+
+def rows_attention_applies(x: Tensor) -> bool:
+    """Whether ``rows_attention`` runs for tensors like ``x`` (invariant mode, CUDA)."""
+    return _bi_cuda(x) is not None
+
+
+def rows_attention(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor, seq_lens: Tensor,
+    scale: float,
+) -> Tensor:
+    """Causal attention of packed prompt rows, batch-invariant, on CUDA: row r over the
+    first ``seq_lens[r]`` positions of cache slot ``slots[r]`` (its own k/v already written).
+
+    q [T, Hq, D]; caches [slots, Hkv, S, D]; slots [T] int64; seq_lens [T] int32 (a
+    prompt row at position p: p + 1). -> [T, Hq, D]. The decode kernel with a slot per
+    row, one launch for up to ``_CHUNK_ROWS_PER_CALL // Hkv`` rows whatever the chunks:
+    each row sums the same keys in the same fixed blocks as ``chunk_attention``'s calls
+    (only the address it reads them at differs), so a row's bits are those of a decode
+    row of its length. Without a host sync: a CUDA graph can capture it.
+    """
+    ck = _bi_cuda(q)
+    assert ck is not None, "rows_attention: batch-invariant mode on CUDA only"
+    step = max(1, _CHUNK_ROWS_PER_CALL // k_cache.shape[1])   # the counters' 4096 entries
+    n = q.shape[0]
+    if n <= step:
+        return ck.bi_decode_attention(  # type: ignore[no-any-return]
+            q, k_cache, v_cache, seq_lens, scale, slots=slots)
+    out = torch.empty_like(q)
+    for a in range(0, n, step):
+        out[a:a + step] = ck.bi_decode_attention(
+            q[a:a + step], k_cache, v_cache, seq_lens[a:a + step], scale,
+            slots=slots[a:a + step])
     return out

@@ -63,8 +63,7 @@ class PrefixCache:
         assert pages >= 1 and block_size >= 1, "pages and block_size must be >= 1"
         self.pages, self.block_size = pages, block_size
         self.stats = PrefixCacheStats()
-        self._k: list[Tensor] = []
-        self._v: list[Tensor] = []
+        self._kv: Tensor | None = None     # [2, layers, pages, Hkv, block_size, D] (k, v)
         self._index: OrderedDict[bytes, int] = OrderedDict()    # name -> page, LRU first
         self._free: list[int] = list(range(pages - 1, -1, -1))
 
@@ -75,16 +74,15 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._index)
 
-    def _pool(self, cache: KVCache) -> None:
-        if self._k and self._k[0].shape[1:] == (cache.k[0].shape[1], self.block_size,
-                                                cache.k[0].shape[3]) \
-                and self._k[0].dtype == cache.k[0].dtype \
-                and self._k[0].device == cache.k[0].device:
-            return
-        shape = (self.pages, cache.k[0].shape[1], self.block_size, cache.k[0].shape[3])
-        self._k = [torch.zeros(shape, dtype=k.dtype, device=k.device) for k in cache.k]
-        self._v = [torch.zeros(shape, dtype=k.dtype, device=k.device) for k in cache.k]
-        self.clear()
+    def _pool(self, cache: KVCache) -> Tensor:
+        two, layers, _, hkv, _, d = cache.kv.shape
+        shape = (two, layers, self.pages, hkv, self.block_size, d)
+        kv = self._kv
+        if kv is None or kv.shape != shape or kv.dtype != cache.kv.dtype \
+                or kv.device != cache.kv.device:
+            kv = self._kv = torch.zeros(shape, dtype=cache.kv.dtype, device=cache.kv.device)
+            self.clear()
+        return kv
 
     def lookup(self, tokens: Sequence[int], mode: str) -> list[int]:
         """Pages holding the longest cached prefix of ``tokens`` (full blocks only, and at
@@ -107,19 +105,18 @@ class PrefixCache:
         """Copy ``pages`` into ``slot`` at positions 0..len(pages)*block_size-1."""
         if not pages:
             return
-        self._pool(cache)
+        pool = self._pool(cache)
         n = len(pages) * self.block_size
         # (not torch.tensor(..., device=): its copy waits for the device; this one does not)
-        index = torch.tensor(pages).to(cache.k[0].device, non_blocking=True)
-        for pool, live in ((self._k, cache.k), (self._v, cache.v)):
-            for layer_pool, layer_cache in zip(pool, live, strict=True):
-                blocks = layer_pool[index]                               # [P, Hkv, bs, D]
-                layer_cache[slot, :, :n] = blocks.permute(1, 0, 2, 3).reshape(
-                    blocks.shape[1], n, blocks.shape[3])                 # [Hkv, n, D]
+        index = torch.tensor(pages).to(cache.kv.device, non_blocking=True)
+        blocks = pool[:, :, index]                             # [2, L, P, Hkv, bs, D]
+        two, layers, _, hkv, _, d = blocks.shape
+        cache.kv[:, :, slot, :, :n] = blocks.permute(0, 1, 3, 2, 4, 5).reshape(
+            two, layers, hkv, n, d)                            # [2, L, Hkv, n, D]
 
     def store(self, cache: KVCache, slot: int, tokens: Sequence[int], mode: str) -> None:
         """Keep the full blocks of a prefilled prompt (in ``slot``) that are not cached."""
-        self._pool(cache)
+        pool = self._pool(cache)
         bs = self.block_size
         new_blocks, new_pages = [], []
         # At most ``pages`` blocks: then eviction can never take a page this call assigned.
@@ -138,12 +135,9 @@ class PrefixCache:
             self.stats.stored_blocks += 1
         if not new_blocks:
             return
-        dev = cache.k[0].device
-        both = torch.tensor(new_blocks + new_pages).to(dev, non_blocking=True)
+        both = torch.tensor(new_blocks + new_pages).to(cache.kv.device, non_blocking=True)
         blocks, pages = both[:len(new_blocks)], both[len(new_blocks):]
         n = (new_blocks[-1] + 1) * bs
-        for pool, live in ((self._k, cache.k), (self._v, cache.v)):
-            for layer_pool, layer_cache in zip(pool, live, strict=True):
-                hkv, d = layer_cache.shape[1], layer_cache.shape[3]
-                prefix = layer_cache[slot, :, :n].reshape(hkv, n // bs, bs, d)  # [Hkv, nb, bs, D]
-                layer_pool[pages] = prefix.permute(1, 0, 2, 3)[blocks]          # [P, Hkv, bs, D]
+        two, layers, _, hkv, _, d = cache.kv.shape
+        prefix = cache.kv[:, :, slot, :, :n].reshape(two, layers, hkv, n // bs, bs, d)
+        pool[:, :, pages] = prefix.permute(0, 1, 3, 2, 4, 5)[:, :, blocks]  # [2, L, P, Hkv, bs, D]

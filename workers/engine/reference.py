@@ -28,7 +28,7 @@ from workers.engine.batching import ContinuousBatcher, run_requests
 from workers.engine.config import ModelConfig
 from workers.engine.digests import CudaDigestRing, cuda_event, logits_digests
 from workers.engine.loader import load_transformer, random_transformer
-from workers.engine.model import KVCache, Transformer, decode_one_token
+from workers.engine.model import KVCache, Transformer, decode_one_token, prefill
 from workers.engine.prefix_cache import PrefixCache
 from workers.engine.runtime import reference_runtime, torch_dtype
 from workers.engine.sampling import validate
@@ -239,6 +239,15 @@ class ReferenceEngine:
         if self.static_decode and self._decoder is None:
             self._decoder = StaticDecoder(self.model, cache, cuda_graphs=self.cuda_graphs)
         return cache
+
+    def _prefill(self, cache: KVCache, tokens: Tensor, positions: Tensor, slots: Tensor,
+                 cu_seqlens: Tensor, chunks: list[tuple[int, int, int, int]]) -> Tensor:
+        """``model.prefill`` (fp32 logits [C, V]); a captured graph where one applies."""
+        if self.static_decode and self._decoder is not None:
+            logits = self._decoder.prefill(tokens, positions, slots, cu_seqlens)
+            if logits is not None:
+                return logits
+        return prefill(self.model, cache, tokens, positions, slots, cu_seqlens, chunks)
 
     def _decode(self, cache: KVCache, tokens: Tensor, positions: Tensor) -> Tensor:
         """fp32 logits [B, V] of one decode step for the requests in slots 0..B-1."""

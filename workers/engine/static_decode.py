@@ -16,6 +16,16 @@ The captured graph bakes in buffer addresses: the KV cache, the weights and the 
 tables. A decoder belongs to one cache (the engine makes a new one when it reallocates the
 cache), sizes the RoPE tables for the whole cache before any capture, and drops its graphs
 if the tables are ever replaced.
+
+In batch-invariant mode on CUDA the decoder also captures **prompt forwards** (``prefill``:
+packed prompt rows of any slots and positions, ``model.prefill_rows``) per bucket of rows
+(``PREFILL_BUCKETS``) and of chunks (powers of two). Launched eagerly, a prompt forward is
+~700 launches whose host time (~20-30 ms on an H200 host) dwarfs the GPU's (~8 ms for 128
+rows), and every running request waits for it. Padding rows there feed token 0 at the
+cache's spare position (never a live one) of slot 0 with a length of 1, and their logits
+are never read; a real row's bits do not depend on them (every op is row-wise, attention
+reads the row's own slot up to its own length). Prompt graphs keep their own memory pool:
+a decode step's logits are still in use while a prompt forward runs.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import torch
 from torch import Tensor
 
 from workers.engine import ops
-from workers.engine.model import KVCache, Transformer, decode_one_token
+from workers.engine.model import KVCache, Transformer, decode_one_token, prefill_rows
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +45,30 @@ log = logging.getLogger(__name__)
 def decode_bucket(batch: int) -> int:
     """The padded batch size a decode step of ``batch`` rows runs at (next power of two)."""
     return 1 << max(batch - 1, 0).bit_length()
+
+
+#: Capture prompt forwards (0: run them eagerly; benchmarks/join_step.py compares the two).
+PREFILL_GRAPHS = 1
+#: Prompt rows a captured prompt forward runs at (padded up); more rows run eagerly. Past
+#: 128 rows a forward is compute-bound, so buckets grow by 64 rather than doubling.
+PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
+
+
+def prefill_bucket(rows: int) -> int | None:
+    """The padded row count a prompt forward of ``rows`` rows runs at; None: eagerly."""
+    return next((b for b in PREFILL_BUCKETS if rows <= b), None)
+
+
+@dataclass
+class _Prefill:
+    tokens: Tensor                    # [bucket] int64, static inputs ...
+    positions: Tensor
+    slots: Tensor
+    lens: Tensor                      # [bucket] int32: position + 1 (padding rows: 1)
+    last: Tensor                      # [chunks bucket] int64: rows whose logits are wanted
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: Tensor | None = None      # [chunks bucket, V] fp32, the graph's output
+    failed: bool = False
 
 
 @dataclass
@@ -56,11 +90,86 @@ class StaticDecoder:
         self._rope = model._rope_cos                 # graphs read this very tensor
         self._steps: dict[tuple[bool, int], _Step] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
+        self._prefills: dict[tuple[int, int], _Prefill] = {}
+        self._prefill_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
     @property
     def captured(self) -> list[tuple[bool, int]]:
         """(batch_invariant, bucket) of every step captured as a CUDA graph so far."""
         return sorted(key for key, step in self._steps.items() if step.graph is not None)
+
+    @property
+    def captured_prefills(self) -> list[tuple[int, int]]:
+        """(rows bucket, chunks bucket) of every prompt forward captured so far."""
+        return sorted(key for key, p in self._prefills.items() if p.graph is not None)
+
+    def _check_rope(self) -> None:
+        if self.model._rope_cos is not self._rope:  # tables replaced: graphs read stale ones
+            self.model.ensure_rope(self.cache.max_seq)
+            self._rope = self.model._rope_cos
+            self._steps.clear()
+            self._prefills.clear()
+
+    def prefill(self, tokens: Tensor, positions: Tensor, slots: Tensor, cu_seqlens: Tensor
+                ) -> Tensor | None:
+        """A prompt forward (``model.prefill``'s inputs, on the device) as a captured graph:
+        fp32 logits [C, V] of each chunk's last row (a tensor of its own). None where none
+        applies (not invariant mode on CUDA with graphs, or more rows than a bucket): the
+        caller runs ``model.prefill``."""
+        t, c = tokens.shape[0], cu_seqlens.shape[0] - 1
+        bucket = prefill_bucket(t)
+        if not (PREFILL_GRAPHS and self.cuda_graphs and ops.rows_attention_applies(tokens)) \
+                or bucket is None or c < 1:
+            return None
+        self._check_rope()
+        key = (bucket, decode_bucket(c))
+        p = self._prefills.get(key)
+        if p is None:
+            dev = tokens.device
+            zeros = torch.zeros(bucket, dtype=torch.int64, device=dev)
+            p = self._prefills[key] = _Prefill(
+                tokens=zeros, positions=zeros.clone(), slots=zeros.clone(),
+                lens=torch.ones(bucket, dtype=torch.int32, device=dev),
+                last=torch.zeros(key[1], dtype=torch.int64, device=dev))
+        p.tokens[:t].copy_(tokens)
+        p.positions[:t].copy_(positions)
+        p.slots[:t].copy_(slots)
+        torch.add(positions, 1, out=p.lens[:t])
+        p.last[:c].copy_(cu_seqlens[1:])
+        p.last[:c].sub_(1)
+        if t < bucket:          # padding rows: token 0 at slot 0's spare position, length 1
+            p.tokens[t:].zero_()
+            p.positions[t:].fill_(self.cache.max_seq - 1)
+            p.slots[t:].zero_()
+            p.lens[t:].fill_(1)
+        if c < key[1]:
+            p.last[c:].zero_()
+        if p.graph is None and not p.failed:
+            self._capture_prefill(p)
+        if p.graph is not None and p.logits is not None:
+            p.graph.replay()
+            return p.logits[:c].clone()
+        return self._run_prefill(p)[:c]
+
+    def _run_prefill(self, p: _Prefill) -> Tensor:
+        return prefill_rows(self.model, self.cache, p.tokens, p.positions, p.slots, p.lens,
+                            p.last)
+
+    def _capture_prefill(self, p: _Prefill) -> None:
+        """As ``_capture``: the warm-up writes the rows' k/v that the replay rewrites."""
+        self._run_prefill(p)
+        torch.cuda.synchronize(self.model.device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._prefill_pool,
+                                  capture_error_mode="thread_local"):
+                logits = self._run_prefill(p)
+        except Exception as exc:  # noqa: BLE001  # pragma: no cover - depends on the torch build
+            p.failed = True
+            log.warning("CUDA graph capture of a %d-row prompt forward failed (%s: %s); "
+                        "running it eagerly", p.tokens.shape[0], type(exc).__name__, exc)
+            return
+        p.graph, p.logits = graph, logits
 
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """tokens, positions [B] int64 on the model's device (slot b holds sequence b).
@@ -70,10 +179,7 @@ class StaticDecoder:
         b = tokens.shape[0]
         bucket = min(decode_bucket(b), self.cache.slots)
         assert b <= bucket, f"batch {b} exceeds the cache's {self.cache.slots} slots"
-        if self.model._rope_cos is not self._rope:  # tables replaced: graphs read stale ones
-            self.model.ensure_rope(self.cache.max_seq)
-            self._rope = self.model._rope_cos
-            self._steps.clear()
+        self._check_rope()
         key = (ops.is_batch_invariant(), bucket)
         step = self._steps.get(key)
         if step is None:
