@@ -19,8 +19,8 @@ if the tables are ever replaced.
 
 In batch-invariant mode on CUDA the decoder also captures **prompt forwards** (``prefill``:
 packed prompt rows of any slots and positions, ``model.prefill_rows``) per bucket of rows
-(``PREFILL_BUCKETS``) and of chunks (powers of two). Launched eagerly, a prompt forward is
-~700 launches whose host time (~20-30 ms on an H200 host) dwarfs the GPU's (~8 ms for 128
+(``PREFILL_BUCKETS``, all captured at the first prompt forward). Launched eagerly, a prompt
+forward is ~700 launches whose host time (~20-30 ms on an H200 host) dwarfs the GPU's (~8 ms for 128
 rows), and every running request waits for it. Padding rows there feed token 0 at the
 cache's spare position (never a live one) of slot 0 with a length of 1, and their logits
 are never read; a real row's bits do not depend on them (every op is row-wise, attention
@@ -54,6 +54,11 @@ PREFILL_GRAPHS = 1
 PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
 
 
+#: Logit rows of a captured prompt forward: the chunks completing a prompt in it, at most
+#: (more run eagerly). Up to 64 rows the LM head reads its weights once whatever the count.
+PREFILL_LOGIT_ROWS = 64
+
+
 def prefill_bucket(rows: int) -> int | None:
     """The padded row count a prompt forward of ``rows`` rows runs at; None: eagerly."""
     return next((b for b in PREFILL_BUCKETS if rows <= b), None)
@@ -65,9 +70,9 @@ class _Prefill:
     positions: Tensor
     slots: Tensor
     lens: Tensor                      # [bucket] int32: position + 1 (padding rows: 1)
-    last: Tensor                      # [chunks bucket] int64: rows whose logits are wanted
+    last: Tensor                      # [PREFILL_LOGIT_ROWS] int64: rows whose logits are wanted
     graph: torch.cuda.CUDAGraph | None = None
-    logits: Tensor | None = None      # [chunks bucket, V] fp32, the graph's output
+    logits: Tensor | None = None      # [PREFILL_LOGIT_ROWS, V] fp32, the graph's output
     failed: bool = False
 
 
@@ -90,7 +95,7 @@ class StaticDecoder:
         self._rope = model._rope_cos                 # graphs read this very tensor
         self._steps: dict[tuple[bool, int], _Step] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
-        self._prefills: dict[tuple[int, int], _Prefill] = {}
+        self._prefills: dict[int, _Prefill] = {}          # by rows bucket
         self._prefill_pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None
 
     @property
@@ -99,8 +104,8 @@ class StaticDecoder:
         return sorted(key for key, step in self._steps.items() if step.graph is not None)
 
     @property
-    def captured_prefills(self) -> list[tuple[int, int]]:
-        """(rows bucket, chunks bucket) of every prompt forward captured so far."""
+    def captured_prefills(self) -> list[int]:
+        """Rows buckets of the prompt forwards captured so far."""
         return sorted(key for key, p in self._prefills.items() if p.graph is not None)
 
     def _check_rope(self) -> None:
@@ -114,23 +119,19 @@ class StaticDecoder:
                 ) -> Tensor | None:
         """A prompt forward (``model.prefill``'s inputs, on the device) as a captured graph:
         fp32 logits [C, V] of each chunk's last row (a tensor of its own). None where none
-        applies (not invariant mode on CUDA with graphs, or more rows than a bucket): the
-        caller runs ``model.prefill``."""
+        applies (not invariant mode on CUDA with graphs, more rows than a bucket, more
+        chunks than ``PREFILL_LOGIT_ROWS``): the caller runs ``model.prefill``. The first
+        call captures every bucket (~1 s on an H200), so that no later step waits for one."""
         t, c = tokens.shape[0], cu_seqlens.shape[0] - 1
         bucket = prefill_bucket(t)
         if not (PREFILL_GRAPHS and self.cuda_graphs and ops.rows_attention_applies(tokens)) \
-                or bucket is None or c < 1:
+                or bucket is None or not 1 <= c <= PREFILL_LOGIT_ROWS:
             return None
         self._check_rope()
-        key = (bucket, decode_bucket(c))
-        p = self._prefills.get(key)
-        if p is None:
-            dev = tokens.device
-            zeros = torch.zeros(bucket, dtype=torch.int64, device=dev)
-            p = self._prefills[key] = _Prefill(
-                tokens=zeros, positions=zeros.clone(), slots=zeros.clone(),
-                lens=torch.ones(bucket, dtype=torch.int32, device=dev),
-                last=torch.zeros(key[1], dtype=torch.int64, device=dev))
+        if not self._prefills:
+            for rows in PREFILL_BUCKETS:
+                self._capture_prefill(self._padding_prefill(rows, tokens.device))
+        p = self._prefills[bucket]
         p.tokens[:t].copy_(tokens)
         p.positions[:t].copy_(positions)
         p.slots[:t].copy_(slots)
@@ -142,21 +143,27 @@ class StaticDecoder:
             p.positions[t:].fill_(self.cache.max_seq - 1)
             p.slots[t:].zero_()
             p.lens[t:].fill_(1)
-        if c < key[1]:
-            p.last[c:].zero_()
-        if p.graph is None and not p.failed:
-            self._capture_prefill(p)
+        p.last[c:].zero_()
         if p.graph is not None and p.logits is not None:
             p.graph.replay()
             return p.logits[:c].clone()
-        return self._run_prefill(p)[:c]
+        return self._run_prefill(p)[:c]              # its capture failed: eagerly
+
+    def _padding_prefill(self, rows: int, device: torch.device) -> _Prefill:
+        """The static inputs of a ``rows`` bucket, every row a padding row."""
+        zeros = torch.zeros(rows, dtype=torch.int64, device=device)
+        p = self._prefills[rows] = _Prefill(
+            tokens=zeros, positions=torch.full_like(zeros, self.cache.max_seq - 1),
+            slots=zeros.clone(), lens=torch.ones(rows, dtype=torch.int32, device=device),
+            last=torch.zeros(PREFILL_LOGIT_ROWS, dtype=torch.int64, device=device))
+        return p
 
     def _run_prefill(self, p: _Prefill) -> Tensor:
         return prefill_rows(self.model, self.cache, p.tokens, p.positions, p.slots, p.lens,
                             p.last)
 
     def _capture_prefill(self, p: _Prefill) -> None:
-        """As ``_capture``: the warm-up writes the rows' k/v that the replay rewrites."""
+        """As ``_capture``, on padding rows only: their k/v go to slot 0's spare position."""
         self._run_prefill(p)
         torch.cuda.synchronize(self.model.device)
         graph = torch.cuda.CUDAGraph()
