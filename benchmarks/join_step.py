@@ -10,8 +10,9 @@ requests decode (prompts of ``--prompt`` tokens, the first ``--shared`` from one
 prefix, so the prefix cache holds it), then ``--joins`` times a request joins; each
 ``ContinuousBatcher.step`` is timed on the host the way a server loop sees it (a step
 returns once its tokens are on the host). Per kind of step: the median wall time, and the
-engine's own prefill time. ``--profile`` adds a ``torch.profiler`` table of one join step
-(kernels by device time, host ops by host time).
+engine's own prefill time (from queueing the prompt forward to its end, so it includes the
+rest of the decode step already running on the device). ``--profile`` adds a
+``torch.profiler`` table of one join step (kernels by device time, host ops by host time).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def main() -> None:
             key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
             print(prof.key_averages().table(sort_by=key, row_limit=25))
             print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
-        for ticket in range(batcher._tickets):
+        for ticket in range(count):          # tickets are given in order, from 0
             batcher.abort(ticket)
         batcher.run()
 

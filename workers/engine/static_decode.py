@@ -31,7 +31,9 @@ a decode step's logits are still in use while a prompt forward runs.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -164,19 +166,12 @@ class StaticDecoder:
 
     def _capture_prefill(self, p: _Prefill) -> None:
         """As ``_capture``, on padding rows only: their k/v go to slot 0's spare position."""
-        self._run_prefill(p)
-        torch.cuda.synchronize(self.model.device)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._prefill_pool,
-                                  capture_error_mode="thread_local"):
-                logits = self._run_prefill(p)
-        except Exception as exc:  # noqa: BLE001  # pragma: no cover - depends on the torch build
+        captured = _capture_graph(lambda: self._run_prefill(p), self._prefill_pool,
+                                  self.model.device, f"{p.tokens.shape[0]}-row prompt forward")
+        if captured is None:
             p.failed = True
-            log.warning("CUDA graph capture of a %d-row prompt forward failed (%s: %s); "
-                        "running it eagerly", p.tokens.shape[0], type(exc).__name__, exc)
-            return
-        p.graph, p.logits = graph, logits
+        else:
+            p.graph, p.logits = captured
 
     def step(self, tokens: Tensor, positions: Tensor) -> Tensor:
         """tokens, positions [B] int64 on the model's device (slot b holds sequence b).
@@ -212,16 +207,28 @@ class StaticDecoder:
         """Warm up eagerly, then capture. Neither changes the cache beyond what the replay
         that follows writes anyway: the warm-up writes this step's k/v at this step's
         positions (the replay rewrites them before reading), padding rows write dead slots."""
-        self._run(step)         # compiles/allocates what capture must not (Triton, counters)
-        torch.cuda.synchronize(self.model.device)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            # thread_local: the digest threads may wait on CUDA events meanwhile.
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                logits = self._run(step)
-        except Exception as exc:  # noqa: BLE001  # pragma: no cover - depends on the torch build
+        captured = _capture_graph(lambda: self._run(step), self._pool, self.model.device,
+                                  f"{step.tokens.shape[0]}-row decode step")
+        if captured is None:
             step.failed = True
-            log.warning("CUDA graph capture of a %d-row decode step failed (%s: %s); "
-                        "running it eagerly", step.tokens.shape[0], type(exc).__name__, exc)
-            return
-        step.graph, step.logits = graph, logits
+        else:
+            step.graph, step.logits = captured
+
+
+def _capture_graph(run: Callable[[], Tensor], pool: Any, device: torch.device, what: str
+                   ) -> tuple[torch.cuda.CUDAGraph, Tensor] | None:
+    """``run`` once eagerly (it compiles and allocates what capture must not: Triton
+    kernels, counters), then captured into a graph in ``pool``: (graph, its output), or
+    None (logged) where capture fails and the caller runs ``run`` eagerly instead."""
+    run()
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        # thread_local: the digest threads may wait on CUDA events meanwhile.
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = run()
+    except Exception as exc:  # noqa: BLE001  # pragma: no cover - depends on the torch build
+        log.warning("CUDA graph capture of a %s failed (%s: %s); running it eagerly", what,
+                    type(exc).__name__, exc)
+        return None
+    return graph, out
