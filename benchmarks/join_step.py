@@ -13,6 +13,8 @@ returns once its tokens are on the host). Per kind of step: the median wall time
 engine's own prefill time (from queueing the prompt forward to its end, so it includes the
 rest of the decode step already running on the device). ``--profile`` adds a
 ``torch.profiler`` table of one join step (kernels by device time, host ops by host time).
+``--mixed`` (``ReferenceEngine.mixed_steps``): the prompt rides in the next step's forward
+with the decode tokens, so compare "join" + "step after join" between the two runs.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ def main() -> None:
     parser.add_argument("--together", default="1,4", help="requests joining in one step")
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--mixed", action="store_true",
+                        help="mixed steps: the decode tokens ride in the prompt forward")
     parser.add_argument("--set", default="", metavar="NAME=INT,...",
                         help="workers.engine.cuda_kernels constants for the run (not numerics"
                              " ones, e.g. _FEW_ROWS=128: bits stay, speed may not), or "
@@ -68,6 +72,7 @@ def main() -> None:
         torch.set_num_threads(1)
         engine = load_engine("tiny-demo")
     engine.prefix_cache = PrefixCache(pages=4096)
+    engine.mixed_steps = args.mixed
     vocab = engine.config.vocab_size
     rng = random.Random(0)
     prefix = tuple(rng.randrange(vocab) for _ in range(shared))
@@ -90,7 +95,7 @@ def main() -> None:
 
     print(f"{torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}; "
           f"{running} running, prompts {prompt_len} ({shared} shared), chunk {args.chunk}"
-          f"{'; ' + args.set if args.set else ''}")
+          f"{'; ' + args.set if args.set else ''}{'; mixed steps' if args.mixed else ''}")
     rows: list[tuple[str, float, float]] = []
     with engine.batcher(max_batch=64, prefill_chunk=args.chunk) as batcher:
         for _ in range(running):

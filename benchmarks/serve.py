@@ -17,8 +17,9 @@ Targets, each at every rate:
   engine in batch-invariant mode (and its fast mode), in process, as ``ledger engine serve``
   runs it (``ContinuousBatcher``: admission by arrival at the next step, ``--max-batch``
   running, prompts prefilled in ``--chunk``-token chunks next to the decodes, a prefix cache
-  of ``--prefix-pages`` 16-token pages). One thread adds the requests whose arrival time has
-  passed between steps, as the server's batcher thread does; no HTTP.
+  of ``--prefix-pages`` 16-token pages; ``--mixed``: mixed steps). One thread adds the
+  requests whose arrival time has passed between steps, as the server's batcher thread
+  does; no HTTP.
 * ``vllm-default`` / ``vllm-flag`` (``--vllm-model``): ``vllm serve`` started here (vLLM as
   shipped; with ``VLLM_BATCH_INVARIANT=1`` and the adapter's numerics flags, scheduler left
   at vLLM's defaults so it batches: the deterministic channel itself admits one sequence at
@@ -117,6 +118,7 @@ def make_engine(args: argparse.Namespace) -> Any:
         torch.set_num_threads(1)
         engine = load_engine("tiny-demo")
     engine.prefix_cache = PrefixCache(pages=args.prefix_pages) if args.prefix_pages else None
+    engine.mixed_steps = args.mixed
     return engine
 
 
@@ -263,7 +265,8 @@ def start_serve(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
            "--device", args.device, "--max-batch", str(args.max_batch),
            "--chunk", str(args.chunk), "--prefix-pages", str(args.prefix_pages)] + (
                [] if args.switch_interval is None else
-               ["--switch-interval", str(args.switch_interval)])
+               ["--switch-interval", str(args.switch_interval)]) + (
+               ["--mixed"] if args.mixed else [])
     log(f"starting our server: {' '.join(cmd)}")
     proc = subprocess.Popen(cmd, stdout=sys.stderr, stderr=sys.stderr)
     _wait_healthy(proc, port, "our server")
@@ -337,6 +340,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=None, help="prefill chunk (tokens)")
     parser.add_argument("--prefix-pages", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mixed", action="store_true",
+                        help="our engine with mixed steps (decode tokens in prompt forwards)")
     parser.add_argument("--modes", default="bi,default",
                         help="reference engine modes: bi (batch invariant), default (in "
                              "process), serve (bi behind our HTTP server); 'none' to "

@@ -66,13 +66,14 @@ def scenario(vocab_size: int, seed: int = 0, prompt_len: int = 70
 
 def run_probe(engine: Any, probe: GenerationRequest, cotenants: list[GenerationRequest],
               warmer: GenerationRequest, *, join: int | None, chunk: int | None,
-              warm: bool | None) -> tuple[Any, int]:
+              warm: bool | None, mixed: list[int] | None = None) -> tuple[Any, int]:
     """The probe's signature under one combination, and its prefix-cache hit tokens.
-    ``warm`` None: no prefix cache at all."""
+    ``warm`` None: no prefix cache at all. ``mixed``: gets the run's mixed steps appended."""
     engine.prefix_cache = None if warm is None else PrefixCache(pages=64, block_size=BLOCK)
     if warm:
         engine.generate([warmer], max_batch=1)
     hits_before = engine.stats.prefix_hit_tokens
+    mixed_before = engine.stats.mixed_steps
     with engine.batcher(max_batch=8, prefill_chunk=chunk) as batcher:
         if join is not None:
             for request in cotenants:
@@ -83,18 +84,24 @@ def run_probe(engine: Any, probe: GenerationRequest, cotenants: list[GenerationR
         ticket = batcher.add(probe)
         results = {f.ticket: f.result for f in batcher.run()}
     hits = engine.stats.prefix_hit_tokens - hits_before
+    if mixed is not None:
+        mixed.append(engine.stats.mixed_steps - mixed_before)
     engine.prefix_cache = None
     return signature(results[ticket]), hits
 
 
-def matrix(engine: Any, vocab_size: int) -> tuple[list[str], int]:
-    """Combinations whose probe result differs from the plain run; the number compared."""
+def matrix(engine: Any, vocab_size: int, mixed: list[int] | None = None
+           ) -> tuple[list[str], int]:
+    """Combinations whose probe result differs from the plain run (alone, whole prompt, no
+    prefix cache, never mixed); the number compared."""
     probe, cotenants, warmer = scenario(vocab_size)
+    was, engine.mixed_steps = engine.mixed_steps, False
     plain, _ = run_probe(engine, probe, cotenants, warmer, join=None, chunk=None, warm=None)
+    engine.mixed_steps = was
     differing, compared = [], 0
     for join, chunk, warm in product(JOINS, CHUNKS, WARM):
         got, hits = run_probe(engine, probe, cotenants, warmer, join=join, chunk=chunk,
-                              warm=warm)
+                              warm=warm, mixed=mixed)
         if warm:
             assert hits >= 4 * BLOCK, f"warm prefix cache served only {hits} tokens"
         compared += 1
@@ -135,6 +142,49 @@ def test_negative_control_default_kernels_differ(engine: Any) -> None:
     # attention split than the one-pass prompt) on this CPU.
     chunked = [d for d in differing if "chunk=None" not in d]
     assert chunked, differing
+
+
+@pytest.mark.parametrize("case", ["tiny-demo/float32", "qwen3/bfloat16",
+                                  pytest.param("llama3/float32", marks=pytest.mark.slow)])
+def test_mixed_steps_give_the_same_bits(case: str, hf_model_dir: Any) -> None:
+    """With ``mixed_steps`` the running requests' decode tokens ride in the prompt forwards
+    of the steps that have prompt work: the whole matrix must still equal the plain run,
+    and mixed steps must have run."""
+    model, dtype = case.split("/")
+    engine = load_engine(model if model == "tiny-demo" else hf_model_dir(model), dtype=dtype)
+    engine.mixed_steps = True
+    mixed: list[int] = []
+    differing, compared = matrix(engine, engine.config.vocab_size, mixed)
+    assert not differing, f"{len(differing)}/{compared} combinations changed the probe " \
+                          f"with mixed steps: {differing}"
+    assert sum(mixed) > 0 and sum(1 for m in mixed if m) >= len(mixed) // 2, mixed
+
+
+def test_mixed_steps_split_prompts_to_their_token_budget() -> None:
+    """A mixed step prefills at most ``mixed_step_tokens`` tokens with its decode tokens
+    (here 7, so the probe's prompt is cut into pieces of 1-6 tokens over many steps, and a
+    step whose decode tokens fill the budget still takes one prompt token)."""
+    engine = load_engine("tiny-demo")
+    engine.mixed_steps = True
+    whole: list[int] = []
+    matrix(engine, engine.config.vocab_size, whole)
+    engine.mixed_step_tokens = 7
+    cut: list[int] = []
+    differing, compared = matrix(engine, engine.config.vocab_size, cut)
+    assert not differing, f"{len(differing)}/{compared}: {differing}"
+    # the same prompts in smaller pieces: more mixed steps wherever chunks were > 6 tokens
+    assert sum(cut) > sum(whole) and all(c >= w for c, w in zip(cut, whole, strict=True)), \
+        (cut, whole)
+
+
+def test_mixed_steps_default_kernels_differ() -> None:
+    """The negative control with mixed steps: the default kernels change the probe."""
+    engine = load_engine("tiny-demo")
+    engine.batch_invariant = False
+    engine.mixed_steps = True
+    differing, compared = matrix(engine, engine.config.vocab_size)
+    assert differing, f"default kernels, mixed steps: none of {compared} combinations " \
+                      f"changed the probe: the test is blind"
 
 
 def test_chunked_prefill_matches_decode_positions() -> None:

@@ -46,13 +46,16 @@ def engine() -> Iterator[ReferenceEngine]:
     torch.cuda.empty_cache()
 
 
-def cuda_matrix(engine: ReferenceEngine) -> tuple[list[str], int]:
+def cuda_matrix(engine: ReferenceEngine, mixed: list[int] | None = None
+                ) -> tuple[list[str], int]:
     probe, cotenants, warmer = scenario(engine.config.vocab_size, prompt_len=PROMPT_LEN)
+    was, engine.mixed_steps = engine.mixed_steps, False
     plain, _ = run_probe(engine, probe, cotenants, warmer, join=None, chunk=None, warm=None)
+    engine.mixed_steps = was
     differing, compared = [], 0
     for join, chunk, warm in product(JOINS, CHUNKS, WARM):
         got, hits = run_probe(engine, probe, cotenants, warmer, join=join, chunk=chunk,
-                              warm=warm)
+                              warm=warm, mixed=mixed)
         if warm:
             assert hits >= 64, f"warm prefix cache served only {hits} tokens"
         compared += 1
@@ -70,6 +73,21 @@ def test_gpu_invariant_under_joins_chunks_and_prefix_cache(engine: ReferenceEngi
     decoder: Any = engine._decoder
     assert decoder is not None and any(bi for bi, _ in decoder.captured), \
         "decode steps did not run as CUDA graphs"
+
+
+def test_gpu_mixed_steps_give_the_same_bits(engine: ReferenceEngine) -> None:
+    """Decode tokens inside the prompt forwards (``mixed_steps``, a captured prompt graph
+    or an eager forward) give the bits of decode steps, across the whole matrix."""
+    engine.batch_invariant = True
+    engine.mixed_steps = True
+    mixed: list[int] = []
+    try:
+        differing, compared = cuda_matrix(engine, mixed)
+    finally:
+        engine.mixed_steps = False
+    assert not differing, f"{len(differing)}/{compared} combinations changed the probe " \
+                          f"with mixed steps: {differing}"
+    assert sum(1 for m in mixed if m) >= len(mixed) // 2, mixed
 
 
 def test_gpu_cuda_graphs_off_gives_the_same_bits(engine: ReferenceEngine) -> None:

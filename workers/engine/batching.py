@@ -15,10 +15,18 @@ One :meth:`ContinuousBatcher.step` does, in order:
    the logits digest (hashed off the critical path), and retire finished requests (the
    last live slots move into the holes, so slots 0..B-1 stay the running requests).
 
+**Mixed steps** (``mixed=True``; ``ReferenceEngine.mixed_steps``, off by default): a step
+with prompt work runs the running requests' decode tokens inside its (first) prompt forward,
+each a one-token piece at its position in its own slot, instead of a decode step and then
+the prompt forward: one pass over the weights fewer. Like a decode step it is launched
+without a sync; steps without prompt work keep the decode step (graph, fast launch). Prompts
+admitted while a decode step is already launched wait for the next step's forward.
+
 In batch-invariant mode a request's tokens, logprobs and logits digests do not depend on
 any of this: every kernel is row-wise, and prompt attention reads the slot's cache with the
-decode kernel (``ops.chunk_attention``), so neither the co-tenants, nor the step at which
-the request joined, nor the chunk size, nor a prefix-cache hit changes a bit
+decode kernel (``ops.chunk_attention``; on CUDA ``ops.rows_attention``), so neither the
+co-tenants, nor the step at which the request joined, nor the chunk size, nor a prefix-cache
+hit, nor a decode token run in a prompt forward changes a bit
 (``tests/engine/test_continuous.py``). The default mode gives no such promise.
 
 ``static=True`` admits a new group only when the batch is empty: ``ReferenceEngine.generate``
@@ -108,7 +116,7 @@ class ContinuousBatcher:
 
     def __init__(
         self, engine: ReferenceEngine, *, max_batch: int, prefill_chunk: int | None = None,
-        static: bool = False,
+        static: bool = False, mixed: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -118,6 +126,7 @@ class ContinuousBatcher:
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.static = static
+        self.mixed = mixed
         self.steps = 0
         self._tickets = 0
         self._waiting: deque[_Sequence] = deque()
@@ -261,26 +270,44 @@ class ContinuousBatcher:
             self._sampler.add(seq.request.sampling, seq.prompt)
             engine.stats.prompt_tokens += len(seq.prompt)
 
-    def _prefill(self) -> list[tuple[int, Tensor]]:
-        """Run this step's prompt chunks; (slot, fp32 logits [V]) of completed prompts."""
+    def _prefill(self, decoding: Sequence[int] = ()
+                 ) -> tuple[Tensor | None, list[tuple[int, Tensor]]]:
+        """Run this step's prompt chunks: (slot, fp32 logits [V]) of completed prompts. With
+        ``decoding`` (a mixed step) the first forward also carries each of those slots' next
+        token, first, as a one-token piece at its position (it may pass the token budget by
+        that many): their fp32 logits [len(decoding), V] come back too (else None), and
+        nothing waits for the device. A mixed step prefills at most
+        ``engine.mixed_step_tokens`` tokens in all (decode tokens included, at least one
+        prompt token)."""
         if not self._prompting:
-            return []
+            return None, []
         engine = self.engine
         cache = engine._cache
         assert cache is not None
         budget = engine.prefill_token_budget
+        # A mixed step's one forward: its decode tokens, then prompt tokens up to
+        # ``mixed_step_tokens`` in all (the rest waits for the next step; chunk boundaries
+        # change no bit), so that it replays as a captured prompt graph.
+        room = max(1, engine.mixed_step_tokens - len(decoding)) if decoding else None
         pieces: list[tuple[int, int, int]] = []            # (slot, first position, length)
         for slot, seq in enumerate(self._active):
             left = len(seq.prompt) - seq.prefilled
             if left <= 0:
                 continue
             n = left if self.prefill_chunk is None else min(left, self.prefill_chunk)
+            if room is not None:
+                if room <= 0:
+                    break
+                n = min(n, room)
+                room -= n
             for start in range(seq.prefilled, seq.prefilled + n, budget):
                 pieces.append((slot, start, min(budget, seq.prefilled + n - start)))
         if not pieces:
-            return []
+            return None, []
         began = time.perf_counter()
-        groups: list[list[tuple[int, int, int]]] = [[]]
+        n_dec = len(decoding)
+        groups: list[list[tuple[int, int, int]]] = [
+            [(slot, self._active[slot].position, 1) for slot in decoding]]
         used = 0
         for piece in pieces:
             if groups[-1] and used + piece[2] > budget:
@@ -290,7 +317,9 @@ class ContinuousBatcher:
             used += piece[2]
         dev = engine.device
         ready: list[tuple[int, Tensor]] = []
-        for group in groups:
+        decoded: Tensor | None = None
+        for g, group in enumerate(groups):
+            ahead = n_dec if g == 0 else 0        # the group's leading decode pieces
             # Inputs built on the host and sent in one copy that does not wait for the
             # device, the chunk table from the same host values: the prefill's launches
             # queue behind the decode step still running (no sync before the forward).
@@ -298,11 +327,16 @@ class ContinuousBatcher:
             tokens_l: list[int] = []
             positions_l: list[int] = []
             slots_l: list[int] = []
-            for slot, p0, n in group:
+            for i, (slot, p0, n) in enumerate(group):
                 chunks.append((slot, packed, n, p0))
                 packed += n
                 bounds.append(packed)
-                tokens_l += self._active[slot].prompt[p0:p0 + n]
+                seq = self._active[slot]
+                if i < ahead:
+                    assert seq.next_token is not None
+                    tokens_l.append(seq.next_token)
+                else:
+                    tokens_l += seq.prompt[p0:p0 + n]
                 positions_l += range(p0, p0 + n)
                 slots_l += [slot] * n
             inputs = torch.tensor(tokens_l + positions_l + slots_l + bounds,
@@ -310,7 +344,9 @@ class ContinuousBatcher:
             tokens, positions, slots = inputs[:3 * packed].view(3, packed)
             cu = inputs[3 * packed:].to(torch.int32)
             logits = engine._prefill(cache, tokens, positions, slots, cu, chunks)  # [C, V]
-            for row, (slot, p0, n) in enumerate(group):
+            if ahead:
+                decoded = logits[:ahead]
+            for row, (slot, p0, n) in enumerate(group[ahead:], start=ahead):
                 seq = self._active[slot]
                 seq.prefilled = p0 + n
                 engine.stats.prefill_tokens += n
@@ -320,14 +356,26 @@ class ContinuousBatcher:
                     if engine.prefix_cache is not None:
                         engine.prefix_cache.store(cache, slot, seq.prompt,
                                                   engine.prefix_mode())
-        engine._synchronize()
+        if decoded is None:             # a mixed forward stays asynchronous, like a decode step
+            engine._synchronize()
         engine.stats.prefill_s += time.perf_counter() - began
-        return ready
+        return decoded, ready
 
     def _step(self) -> None:
         engine = self.engine
         stats = engine.stats
-        ready = self._prefill()
+        if not (self.mixed and self._prompting):
+            ready = self._prefill()[1]
+        elif self._launched is None:    # a mixed step: the decode tokens ride in the prompt's
+            decoding = [s for s, seq in enumerate(self._active) if seq.next_token is not None]
+            decoded, ready = self._prefill(decoding)
+            if decoded is not None:
+                self._launched = (decoded, decoding, list(range(len(decoding))))
+                self._feed = None
+                stats.decode_steps += 1
+                stats.mixed_steps += 1
+        else:                           # a decode step was launched before these prompts
+            ready = []                  # came: they ride in the next step's forward
         decode_began = time.perf_counter()
         dev = engine.device
         if self._launched is None:
@@ -418,8 +466,10 @@ class ContinuousBatcher:
                 self._retire(finished)
             # The next step's decode goes to the device now, so the host work until then
             # (the next step's admission and prefill bookkeeping, this step's digests)
-            # overlaps it.
-            self._launch_decode()
+            # overlaps it; with prompt work left in a mixed batch, the next step's prompt
+            # forward carries it instead.
+            if not (self.mixed and self._prompting):
+                self._launch_decode()
         if finished:
             self._deliver(block=False)
         stats.decode_s += time.perf_counter() - decode_began

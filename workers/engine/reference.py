@@ -32,7 +32,7 @@ from workers.engine.model import KVCache, Transformer, decode_one_token, prefill
 from workers.engine.prefix_cache import PrefixCache
 from workers.engine.runtime import reference_runtime, torch_dtype
 from workers.engine.sampling import validate
-from workers.engine.static_decode import StaticDecoder, decode_bucket
+from workers.engine.static_decode import PREFILL_BUCKETS, StaticDecoder, decode_bucket
 from workers.engine.torch_kernels import DECODE_KV_BLOCK
 
 __all__ = ["GenerateStats", "ReferenceEngine", "logits_digests", "resolve_model_dir",
@@ -83,6 +83,7 @@ class GenerateStats:
     prefill_s: float = 0.0        # prompts in -> first logits on the device (synced)
     decode_s: float = 0.0         # first sampling -> last token known on the host
     decode_steps: int = 0         # model decode steps (the first token comes from prefill)
+    mixed_steps: int = 0          # of them, run inside a prompt forward (``mixed_steps``)
     digest_wait_s: float = 0.0    # waiting for logits digests after the last step
     total_s: float = 0.0
     prefill_tokens: int = 0       # prompt tokens run through the model (not from the cache)
@@ -117,6 +118,12 @@ class ReferenceEngine:
         self.cuda_graphs = cuda_graphs
         self.prefill_chunk = prefill_chunk          # prompt tokens per step (None: whole)
         self.prefix_cache = prefix_cache            # reuse of prompt-prefix KV (None: off)
+        # A step with prompt work runs the running requests' decode tokens in its prompt
+        # forward (batching.py, "Mixed steps"). Off: not yet measured on a GPU.
+        self.mixed_steps = False
+        # A mixed step's forward: its decode tokens, then prompt tokens up to this many in
+        # all (the largest captured prompt bucket, so it replays as a graph on CUDA).
+        self.mixed_step_tokens = PREFILL_BUCKETS[-1]
         self.stats = GenerateStats()                # of the last generate call
         self._cache: KVCache | None = None
         self._decoder: StaticDecoder | None = None
@@ -175,7 +182,7 @@ class ReferenceEngine:
                 static: bool = False) -> ContinuousBatcher:
         """A continuous batch on this engine (requests join and leave at every step)."""
         return ContinuousBatcher(self, max_batch=max_batch, prefill_chunk=prefill_chunk,
-                                 static=static)
+                                 static=static, mixed=self.mixed_steps)
 
     def prefix_mode(self) -> str:
         """What prefix-cache pages are named by, beside the tokens: the kernel mode."""
