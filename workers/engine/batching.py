@@ -274,11 +274,10 @@ class ContinuousBatcher:
                  ) -> tuple[Tensor | None, list[tuple[int, Tensor]]]:
         """Run this step's prompt chunks: (slot, fp32 logits [V]) of completed prompts. With
         ``decoding`` (a mixed step) the first forward also carries each of those slots' next
-        token, first, as a one-token piece at its position (it may pass the token budget by
-        that many): their fp32 logits [len(decoding), V] come back too (else None), and
-        nothing waits for the device. A mixed step prefills at most
-        ``engine.mixed_step_tokens`` tokens in all (decode tokens included, at least one
-        prompt token)."""
+        token, first, as a one-token piece at its position, and takes at most
+        ``engine.mixed_step_tokens`` rows in all (at least one prompt token): their fp32
+        logits [len(decoding), V] come back too (else None), and nothing waits for the
+        device."""
         if not self._prompting:
             return None, []
         engine = self.engine
