@@ -56,9 +56,11 @@ PREFILL_GRAPHS = 1
 PREFILL_BUCKETS = (16, 32, 64, 128, 192, 256, 320, 384, 448, 512)
 
 
-#: Logit rows of a captured prompt forward: the chunks completing a prompt in it, at most
-#: (more run eagerly). Up to 64 rows the LM head reads its weights once whatever the count.
-PREFILL_LOGIT_ROWS = 64
+#: Logit rows of a captured prompt forward (a bucket's own rows, if fewer): the chunks
+#: completing a prompt in it and a mixed step's decode tokens, at most (more run eagerly).
+#: 128: a mixed step of 64 running requests and its prompts; up to 128 rows the LM head
+#: reads its weights once (one 128-row tile) whatever the count.
+PREFILL_LOGIT_ROWS = 128
 
 
 def prefill_bucket(rows: int) -> int | None:
@@ -72,9 +74,9 @@ class _Prefill:
     positions: Tensor
     slots: Tensor
     lens: Tensor                      # [bucket] int32: position + 1 (padding rows: 1)
-    last: Tensor                      # [PREFILL_LOGIT_ROWS] int64: rows whose logits are wanted
+    last: Tensor                      # [L] int64: rows whose logits are wanted (L: logit rows)
     graph: torch.cuda.CUDAGraph | None = None
-    logits: Tensor | None = None      # [PREFILL_LOGIT_ROWS, V] fp32, the graph's output
+    logits: Tensor | None = None      # [L, V] fp32, the graph's output
     failed: bool = False
 
 
@@ -122,12 +124,12 @@ class StaticDecoder:
         """A prompt forward (``model.prefill``'s inputs, on the device) as a captured graph:
         fp32 logits [C, V] of each chunk's last row (a tensor of its own). None where none
         applies (not invariant mode on CUDA with graphs, more rows than a bucket, more
-        chunks than ``PREFILL_LOGIT_ROWS``): the caller runs ``model.prefill``. The first
+        logit rows than ``PREFILL_LOGIT_ROWS``): the caller runs ``model.prefill``. The first
         call captures every bucket (~1 s on an H200), so that no later step waits for one."""
         t, c = tokens.shape[0], cu_seqlens.shape[0] - 1
         bucket = prefill_bucket(t)
         if not (PREFILL_GRAPHS and self.cuda_graphs and ops.rows_attention_applies(tokens)) \
-                or bucket is None or not 1 <= c <= PREFILL_LOGIT_ROWS:
+                or bucket is None or not 1 <= c <= min(bucket, PREFILL_LOGIT_ROWS):
             return None
         self._check_rope()
         if not self._prefills:
@@ -157,7 +159,7 @@ class StaticDecoder:
         p = self._prefills[rows] = _Prefill(
             tokens=zeros, positions=torch.full_like(zeros, self.cache.max_seq - 1),
             slots=zeros.clone(), lens=torch.ones(rows, dtype=torch.int32, device=device),
-            last=torch.zeros(PREFILL_LOGIT_ROWS, dtype=torch.int64, device=device))
+            last=torch.zeros(min(rows, PREFILL_LOGIT_ROWS), dtype=torch.int64, device=device))
         return p
 
     def _run_prefill(self, p: _Prefill) -> Tensor:
