@@ -800,6 +800,69 @@ def decode_tiles() -> dict[str, Any]:
     return out
 
 
+#: (block_m, block_n, warps, stages, split, tma) tried at a prompt forward's row counts
+#: (block_k 64 and the segment policy stay, so every variant should give today's bits).
+PROMPT_TILES = [(128, 128, 8, 4, False, True), (128, 128, 8, 4, False, False),
+                (64, 64, 4, 6, True, False), (64, 128, 4, 4, True, False),
+                (128, 64, 4, 4, True, False), (128, 128, 8, 4, True, False),
+                (128, 128, 4, 4, True, False), (64, 128, 4, 4, False, False),
+                (64, 64, 4, 6, False, False), (128, 64, 4, 4, False, False)]
+
+
+def prompt_tiles() -> dict[str, Any]:
+    """At a prompt forward's row counts (a 128-token prompt, a mixed step of 64 decode rows
+    and one, two prompts): each tile's time per layer linear and whether its bits equal
+    bi_linear's (they should: tiles, splits and loads only decide which rows and columns run
+    together). Until 2026-12-04 the 128-row tile ran all of them unsplit (48, 32 and 32
+    programs for qkv, o and down at 128 rows, on 132 SMs); "today" names bi_linear's path."""
+    errors = _launch_errors()
+    out: dict[str, Any] = {}
+    dt = torch.bfloat16
+    for m in ((128, 192, 256) if not C.dry else (5, 9)):
+        log(f"prompt linears, bf16, M={m}: us per call (!n: mismatching outputs of 3)")
+        total: dict[str, float] = {}
+        for sname in ("qkv", "q_o", "gate_up_fused", "down"):
+            n, k = C.linear_shapes[sname]
+            seg = ck.linear_k_segment(n, k, dt)
+            sets = n_sets((n * k + m * k) * dt.itemsize)
+            ws = [randn(n, k, dt=dt) / math.sqrt(k) for _ in range(sets)]
+            xs = [randn(m, k, dt=dt) for _ in range(sets)]
+            refs = [ck.bi_linear(xs[i], ws[i]) for i in range(min(3, sets))]
+            tile_now, split_now = ck._linear_path(m, n, k, dt)
+            row: dict[str, Any] = {}
+            variants = PROMPT_TILES if not C.dry else PROMPT_TILES[:3]
+            for bm, bn, warps, stages, split, tma in variants:
+                if split and not ck._can_split(k, seg):
+                    continue
+                if tma and C.dry:
+                    continue
+                tile = ck._Tile(bm, bn, 64, warps, stages)
+                name = (f"{bm}x{bn}w{warps}s{stages}{'split' if split else ''}"
+                        f"{'tma' if tma else ''}")
+
+                def fn(x: torch.Tensor, w: torch.Tensor, tile: ck._Tile = tile,
+                       split: bool = split, tma: bool = tma) -> torch.Tensor:
+                    return ck._launch_linear(x, w, None, tile, split, tma=tma)
+
+                _time_variant(row, name, fn, xs, ws, lambda fn=fn: sum(
+                    not torch.equal(fn(xs[i], ws[i]), r) for i, r in enumerate(refs)))
+                if "us" in row[name]:
+                    total[name] = total.get(name, 0.0) + row[name]["us"]
+            row["torch"] = {"us": graph_time_us([lambda x=x, w=w: F.linear(x, w)
+                                                 for x, w in zip(xs, ws, strict=True)])}
+            total["torch"] = total.get("torch", 0.0) + row["torch"]["us"]
+            row["today"] = (f"{tile_now.block_m}x{tile_now.block_n}w{tile_now.num_warps}"
+                            f"{' split' if split_now else ''}")
+            out[f"prompt_linear/{sname}/{m}"] = row
+            _log_row(f"  {sname} {n}x{k} (segment {seg}; today {row['today']}): ",
+                     {kk: v for kk, v in row.items() if kk != "today"})
+            del ws, xs, refs
+        out[f"prompt_layer/{m}"] = total
+        log(f"  sum of the four (us per layer): " + " ".join(
+            f"{kk}={v:.1f}" for kk, v in sorted(total.items(), key=lambda kv: kv[1])))
+    return out
+
+
 #: (block_n, warps, stages) of the few-row tile tried for each fused epilogue at the decode
 #: batch (block_m 64, block_k 64: the NUMERICS fields stay).
 EPILOGUE_TILES = [(128, 4, 4), (128, 4, 5), (64, 4, 6), (64, 4, 4), (128, 8, 4)]
@@ -1203,6 +1266,7 @@ def main() -> None:
         ("linear variants", linear_variants),
         ("decode tiles", decode_tiles),
         ("fused epilogues", fused_epilogues),
+        ("prompt tiles", prompt_tiles),
     ]
     only = [s for s in args.only.split(",") if s]
     for name, fn in sections:

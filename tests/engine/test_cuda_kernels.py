@@ -112,13 +112,20 @@ def test_k_segments_for_llama3_8b_are_pinned() -> None:
 def test_linear_paths_share_the_numerics_tile_fields() -> None:
     """The path may depend on M; each element's MMA chain (K steps of block_k) may not. The
     split path's tile is 64 wide (a wgmma's N does not change an element's bits: measured
-    on the H200, and ``test_linear_paths_agree_bit_for_bit`` runs it)."""
+    on the H200, and ``test_linear_paths_agree_bit_for_bit`` runs it). Past 64 rows a
+    product splits with the few-row tile (a prompt forward's rows), past 256 it never does."""
     for n, k in [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)]:
-        paths = {ck._linear_path(m, n, k, torch.bfloat16) for m in (1, 64, 65, 4096)}
+        paths = {ck._linear_path(m, n, k, torch.bfloat16) for m in (1, 64, 65, 128, 4096)}
         assert {t.block_k for t, _ in paths} == {64}
         assert {t.block_n for t, split in paths if not split} == {128}
-        assert {t for t, split in paths if split} <= {ck._TILE_SPLIT_16}
+        assert {t for t, split in paths if split} <= {ck._TILE_SPLIT_16, ck._TILE_FEW_16}
         assert any(split for _, split in paths) == (ck.linear_k_segment(n, k, torch.bfloat16) < k)
+        assert not ck._linear_path(257, n, k, torch.bfloat16)[1]
+    bf16 = torch.bfloat16
+    assert ck._linear_path(128, 6144, 4096, bf16) == (ck._TILE_FEW_16, True)     # qkv
+    assert ck._linear_path(192, 6144, 4096, bf16) == (ck._TILE_MANY_16, False)   # 96 tiles
+    assert ck._linear_path(128, 4096, 14336, bf16) == (ck._TILE_FEW_16, True)    # down
+    assert ck._linear_path(128, 28672, 4096, bf16) == (ck._TILE_MANY_16, False)  # one segment
 
 
 # ----------------------------------------------------------------------------------------
