@@ -815,7 +815,6 @@ def prompt_tiles() -> dict[str, Any]:
     bi_linear's (they should: tiles, splits and loads only decide which rows and columns run
     together). Until 2026-12-04 the 128-row tile ran all of them unsplit (48, 32 and 32
     programs for qkv, o and down at 128 rows, on 132 SMs); "today" names bi_linear's path."""
-    errors = _launch_errors()
     out: dict[str, Any] = {}
     dt = torch.bfloat16
     for m in ((128, 192, 256) if not C.dry else (5, 9)):
@@ -844,8 +843,11 @@ def prompt_tiles() -> dict[str, Any]:
                        split: bool = split, tma: bool = tma) -> torch.Tensor:
                     return ck._launch_linear(x, w, None, tile, split, tma=tma)
 
-                _time_variant(row, name, fn, xs, ws, lambda fn=fn: sum(
-                    not torch.equal(fn(xs[i], ws[i]), r) for i, r in enumerate(refs)))
+                def bad(fn: Callable[..., torch.Tensor] = fn, xs: list[torch.Tensor] = xs,
+                        ws: list[torch.Tensor] = ws, refs: list[torch.Tensor] = refs) -> int:
+                    return sum(not torch.equal(fn(xs[i], ws[i]), r) for i, r in enumerate(refs))
+
+                _time_variant(row, name, fn, xs, ws, bad)
                 if "us" in row[name]:
                     total[name] = total.get(name, 0.0) + row[name]["us"]
             row["torch"] = {"us": graph_time_us([lambda x=x, w=w: F.linear(x, w)
@@ -858,7 +860,7 @@ def prompt_tiles() -> dict[str, Any]:
                      {kk: v for kk, v in row.items() if kk != "today"})
             del ws, xs, refs
         out[f"prompt_layer/{m}"] = total
-        log(f"  sum of the four (us per layer): " + " ".join(
+        log("  sum of the four (us per layer): " + " ".join(
             f"{kk}={v:.1f}" for kk, v in sorted(total.items(), key=lambda kv: kv[1])))
     return out
 
