@@ -254,8 +254,11 @@ def serve_child(args: argparse.Namespace) -> None:
     engine = make_engine(args)
     engine.batch_invariant = True
     kwargs = {} if args.switch_interval is None else {"switch_interval_s": args.switch_interval}
+    # as vLLM captures its graphs at startup, for this benchmark's sequence length
+    warm = 0 if args.no_warm_up else args.prompt + args.new + 16
     app = create_app(engine, served_model_name="bench", tokenizer=None,
-                     max_batch=args.max_batch, prefill_chunk=args.chunk, **kwargs)
+                     max_batch=args.max_batch, prefill_chunk=args.chunk, warm_up_len=warm,
+                     **kwargs)
     uvicorn.run(app, host="127.0.0.1", port=args.child_port, log_level="warning",
                 access_log=False)
 
@@ -263,7 +266,9 @@ def serve_child(args: argparse.Namespace) -> None:
 def start_serve(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child-port", str(port),
            "--device", args.device, "--max-batch", str(args.max_batch),
-           "--chunk", str(args.chunk), "--prefix-pages", str(args.prefix_pages)] + (
+           "--chunk", str(args.chunk), "--prefix-pages", str(args.prefix_pages),
+           "--prompt", str(args.prompt), "--new", str(args.new)] + (
+               ["--no-warm-up"] if args.no_warm_up else []) + (
                [] if args.switch_interval is None else
                ["--switch-interval", str(args.switch_interval)]) + (
                ["--mixed"] if args.mixed else [])
@@ -340,6 +345,9 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=None, help="prefill chunk (tokens)")
     parser.add_argument("--prefix-pages", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-warm-up", action="store_true",
+                        help="our server without its startup warm-up (graphs captured on "
+                             "first use, as before 2026-12-04)")
     parser.add_argument("--mixed", action="store_true",
                         help="our engine with mixed steps (decode tokens in prompt forwards)")
     parser.add_argument("--modes", default="bi,default",

@@ -146,6 +146,10 @@ def engine_serve_command(
     prefix_cache_blocks: int = typer.Option(
         0, "--prefix-cache-blocks", min=0, help="Pages of 16 tokens kept for prompt-prefix "
                                                 "reuse (0: no prefix cache)."),
+    warm_up_len: Optional[int] = typer.Option(  # noqa: UP045
+        None, "--warm-up-len", min=0, help="Before serving, size the KV cache for "
+        "--max-batch requests of this many positions and capture the CUDA graphs, so that "
+        "no early request waits for a capture (default: 2048 on CUDA, 0 on CPU; 0: none)."),
     no_batch_invariant: bool = typer.Option(False, "--no-batch-invariant",
                                             help="Fast kernels (the performance channel)."),
     threads: Optional[int] = typer.Option(  # noqa: UP045
@@ -182,9 +186,12 @@ def engine_serve_command(
     tokenizer = ByteTokenizer() if engine.config.vocab_size == ByteTokenizer.vocab_size \
         and model == TINY_DEMO else None
     name = served_model_name or (TINY_DEMO if model == TINY_DEMO else Path(model).name)
-    app = create_app(engine, served_model_name=name, tokenizer=tokenizer,
-                     max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000,
-                     prefill_chunk=prefill_chunk)
+    if warm_up_len is None:
+        warm_up_len = 2048 if device == "cuda" else 0
+    with console.status("warming up (KV cache, CUDA graphs)" if warm_up_len else "starting"):
+        app = create_app(engine, served_model_name=name, tokenizer=tokenizer,
+                         max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000,
+                         prefill_chunk=prefill_chunk, warm_up_len=warm_up_len)
     fp = app.state.fingerprint
     if write_fingerprint is not None:
         write_fingerprint.write_text(json.dumps(fp, indent=2) + "\n", encoding="utf-8")

@@ -55,7 +55,8 @@ def engine_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Process]
     d = tmp_path_factory.mktemp("engine")
     port = free_port()
     with run_process(["engine", "serve", "--model", "tiny-demo", "--port", str(port),
-                      "--max-batch", "8", "--write-fingerprint", str(d / "fingerprint.json")],
+                      "--max-batch", "8", "--warm-up-len", "256",
+                      "--write-fingerprint", str(d / "fingerprint.json")],
                      health_path="/health", port=port, log_path=d / "engine.log") as p:
         yield p
 

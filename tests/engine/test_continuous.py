@@ -347,3 +347,22 @@ def test_serve_batcher_aborts_a_request_whose_client_left() -> None:
         assert signature(batcher.submit(after).result(timeout=60)) == solo
     finally:
         batcher.close()
+
+
+def test_warm_up_sizes_the_cache_once_and_changes_no_bit() -> None:
+    """A server's warm-up (``ReferenceEngine.warm_up``) allocates the cache for its batch
+    and length; a request afterwards gets the bits a fresh engine gives it, and the cache
+    is not regrown (on CUDA its graphs would be lost). Bad sizes are refused."""
+    probe, cotenants, warmer = scenario(load_engine("tiny-demo").config.vocab_size)
+    plain, _ = run_probe(load_engine("tiny-demo"), probe, cotenants, warmer, join=1,
+                         chunk=16, warm=True)
+    engine = load_engine("tiny-demo")
+    engine.static_decode = True                # the padded (bucketed) path, as on CUDA
+    assert engine.warm_up(max_batch=8, max_len=200) == 0       # no graphs on the CPU
+    cache = engine._cache
+    assert cache is not None and cache.slots == 8 and cache.max_seq >= 200
+    got, _ = run_probe(engine, probe, cotenants, warmer, join=1, chunk=16, warm=True)
+    assert got == plain
+    assert engine._cache is cache
+    with pytest.raises(ValueError, match="must be >= 1"):
+        engine.warm_up(max_batch=0, max_len=16)

@@ -90,6 +90,28 @@ def test_gpu_mixed_steps_give_the_same_bits(engine: ReferenceEngine) -> None:
     assert sum(1 for m in mixed if m) >= len(mixed) // 2, mixed
 
 
+def test_gpu_warm_up_captures_every_bucket_and_changes_no_bit(engine: ReferenceEngine) -> None:
+    """A server's warm-up captures each decode bucket up to max_batch and every prompt
+    bucket before any request; a request afterwards gets the bits it got before, and
+    waits for no capture (the decoder, and so its graphs, stays the warmed one)."""
+    from workers.engine.static_decode import PREFILL_BUCKETS
+
+    engine.batch_invariant = True
+    probe, cotenants, warmer = scenario(engine.config.vocab_size, prompt_len=PROMPT_LEN)
+    before, _ = run_probe(engine, probe, cotenants, warmer, join=1, chunk=61, warm=True)
+    engine._decoder = None
+    engine._cache = None
+    graphs = engine.warm_up(max_batch=8, max_len=1024)
+    decoder = engine._decoder
+    assert decoder is not None
+    assert decoder.captured == [(True, b) for b in (1, 2, 4, 8)]
+    assert decoder.captured_prefills == list(PREFILL_BUCKETS)
+    assert graphs == 4 + len(PREFILL_BUCKETS)
+    after, _ = run_probe(engine, probe, cotenants, warmer, join=1, chunk=61, warm=True)
+    assert after == before
+    assert engine._decoder is decoder and len(decoder.captured) == 4
+
+
 def test_gpu_cuda_graphs_off_gives_the_same_bits(engine: ReferenceEngine) -> None:
     engine.batch_invariant = True
     probe, cotenants, warmer = scenario(engine.config.vocab_size, prompt_len=PROMPT_LEN)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from workers.engine import ops
 from workers.engine.api import GenerationRequest, GenerationResult
 from workers.engine.batching import ContinuousBatcher, run_requests
 from workers.engine.config import ModelConfig
@@ -183,6 +184,20 @@ class ReferenceEngine:
         """A continuous batch on this engine (requests join and leave at every step)."""
         return ContinuousBatcher(self, max_batch=max_batch, prefill_chunk=prefill_chunk,
                                  static=static, mixed=self.mixed_steps)
+
+    def warm_up(self, *, max_batch: int, max_len: int) -> int:
+        """Before serving: allocate the KV cache for ``max_batch`` requests of ``max_len``
+        positions and, on CUDA, capture every decode bucket up to ``max_batch`` and the
+        prompt graphs, so that no request waits for either later (a longer request still
+        grows the cache, and its graphs are captured again). The number of graphs captured
+        (0 on CPU). Changes no bit of any later request."""
+        if max_batch < 1 or max_len < 1:
+            raise ValueError("max_batch and max_len must be >= 1")
+        with torch.inference_mode(), ops.batch_invariant_mode(self.batch_invariant):
+            self._ensure_cache(max_batch, min(max_len, self.config.max_position_embeddings))
+            if self._decoder is None:
+                return 0
+            return self._decoder.warm_up(max_batch)
 
     def prefix_mode(self) -> str:
         """What prefix-cache pages are named by, beside the tokens: the kernel mode."""

@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
@@ -34,6 +36,8 @@ from workers.engine.api import Engine, GenerationResult, TokenListener
 from workers.serve import openai_api as oa
 from workers.serve.batcher import EngineBatcher
 from workers.serve.tokenizer import ByteTokenizer
+
+log = logging.getLogger(__name__)
 
 #: The interpreter's thread switch interval while the server runs (Python's default is 5
 #: ms). The event loop (HTTP, one chunk per token and stream) and the batcher's thread share
@@ -139,10 +143,21 @@ def _error(exc: oa.RequestError) -> Response:
 def create_app(engine: Engine, *, served_model_name: str, tokenizer: ByteTokenizer | None,
                max_batch: int = 8, batch_wait_s: float = 0.002,
                prefill_chunk: int | None = None,
-               switch_interval_s: float | None = SWITCH_INTERVAL_S) -> Starlette:
+               switch_interval_s: float | None = SWITCH_INTERVAL_S,
+               warm_up_len: int = 0) -> Starlette:
     """The ASGI app serving ``engine`` (which it owns from now on); while it serves, the
-    interpreter's switch interval is ``switch_interval_s`` (None: left as it is)."""
+    interpreter's switch interval is ``switch_interval_s`` (None: left as it is). With
+    ``warm_up_len``, an engine that can (``warm_up``: the reference engine) sizes its KV
+    cache for ``max_batch`` requests of that many positions and captures its CUDA graphs
+    before the app exists, so that no early request waits for a capture."""
     from ledger.core.fingerprint import FINGERPRINT_PREFIX, fingerprint_id
+
+    warm_up = getattr(engine, "warm_up", None)
+    if warm_up_len and callable(warm_up):
+        began = time.perf_counter()
+        graphs = warm_up(max_batch=max_batch, max_len=warm_up_len)
+        log.info("warm-up: KV cache for %d x %d positions, %d CUDA graphs, %.1f s",
+                 max_batch, warm_up_len, graphs, time.perf_counter() - began)
 
     config = getattr(engine, "config", None)
     vocab_size = int(getattr(config, "vocab_size", tokenizer.vocab_size if tokenizer else 0))
