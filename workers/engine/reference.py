@@ -120,7 +120,8 @@ class ReferenceEngine:
         self.prefill_chunk = prefill_chunk          # prompt tokens per step (None: whole)
         self.prefix_cache = prefix_cache            # reuse of prompt-prefix KV (None: off)
         # A step with prompt work runs the running requests' decode tokens in its prompt
-        # forward (batching.py, "Mixed steps"). Off: not yet measured on a GPU.
+        # forward (batching.py, "Mixed steps"). Off: bitwise on the H200 too, but no
+        # faster there (benchmarks/RESULTS.md, 2026-12-04 19:01).
         self.mixed_steps = False
         # A mixed step's forward: its decode tokens, then prompt tokens up to this many in
         # all (the largest captured prompt bucket, so it replays as a graph on CUDA).
