@@ -258,7 +258,7 @@ def serve_child(args: argparse.Namespace) -> None:
     warm = 0 if args.no_warm_up else args.prompt + args.new + 16
     app = create_app(engine, served_model_name="bench", tokenizer=None,
                      max_batch=args.max_batch, prefill_chunk=args.chunk, warm_up_len=warm,
-                     **kwargs)
+                     collect_less=not args.default_gc, **kwargs)
     uvicorn.run(app, host="127.0.0.1", port=args.child_port, log_level="warning",
                 access_log=False)
 
@@ -269,6 +269,7 @@ def start_serve(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
            "--chunk", str(args.chunk), "--prefix-pages", str(args.prefix_pages),
            "--prompt", str(args.prompt), "--new", str(args.new)] + (
                ["--no-warm-up"] if args.no_warm_up else []) + (
+               ["--default-gc"] if args.default_gc else []) + (
                [] if args.switch_interval is None else
                ["--switch-interval", str(args.switch_interval)]) + (
                ["--mixed"] if args.mixed else [])
@@ -348,6 +349,9 @@ def main() -> None:
     parser.add_argument("--no-warm-up", action="store_true",
                         help="our server without its startup warm-up (graphs captured on "
                              "first use, as before 2026-12-04)")
+    parser.add_argument("--default-gc", action="store_true",
+                        help="our server with Python's collector as it is (not frozen and "
+                             "tuned while serving, as before 2026-12-04)")
     parser.add_argument("--mixed", action="store_true",
                         help="our engine with mixed steps (decode tokens in prompt forwards)")
     parser.add_argument("--modes", default="bi,default",

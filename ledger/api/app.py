@@ -10,14 +10,13 @@ the API, on ``LEDGER_METRICS_HOST:LEDGER_METRICS_PORT`` (loopback by default).
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractAsyncContextManager, asynccontextmanager, contextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import orjson
@@ -40,6 +39,7 @@ from ledger.api.routes import log as log_routes
 from ledger.api.routes import matrix as matrix_routes
 from ledger.api.routes import replay as replay_routes
 from ledger.api.schemas import Problem
+from ledger.core.collector import collecting_less
 from ledger.core.errors import LedgerError
 from ledger.db.session import make_engine, session_factory, session_scope
 from ledger.errors import Unavailable
@@ -452,42 +452,6 @@ def _log_proofs_state(app: FastAPI, settings: Settings, engine: Engine) -> None:
         autocommit=True, application_name=LOG_READS_APPLICATION)
     log_signer = LogSigner.from_settings(settings)
     app.state.log_keys = (log_signer.verifier(),) if log_signer is not None else ()
-
-
-#: Container allocations between two collections of the youngest generation while the
-#: API serves (CPython's default: 700).
-YOUNG_COLLECTION_EVERY = 20_000
-
-
-_serving_lock = threading.Lock()
-#: lifespans in progress in this process, and the collector's thresholds before the first
-_serving: dict[str, Any] = {"count": 0, "before": gc.get_threshold()}
-
-
-@contextmanager
-def collecting_less() -> Iterator[None]:
-    """While the API serves: what start-up made is frozen (never scanned again) and the
-    youngest generation is collected every :data:`YOUNG_COLLECTION_EVERY` allocations, not
-    700; a request makes thousands of short-lived containers (the statement's models and
-    lists). ~5-7% less server CPU per single-envelope POST (``benchmarks/ingest_cpu.py``,
-    paired rounds; issue 17). When the last lifespan in progress leaves, the collector is
-    put back as it was before the first (a test process runs many lifespans, some at
-    once)."""
-    with _serving_lock:
-        if not _serving["count"]:
-            _serving["before"] = before = gc.get_threshold()
-            gc.collect()
-            gc.freeze()
-            gc.set_threshold(YOUNG_COLLECTION_EVERY, *before[1:])
-        _serving["count"] += 1
-    try:
-        yield
-    finally:
-        with _serving_lock:
-            _serving["count"] -= 1
-            if not _serving["count"]:
-                gc.set_threshold(*_serving["before"])
-                gc.unfreeze()
 
 
 def _ingest_threads() -> ThreadPoolExecutor:

@@ -9,7 +9,8 @@ import gc
 import pytest
 from fastapi.testclient import TestClient
 
-from ledger.api.app import YOUNG_COLLECTION_EVERY, collecting_less, create_app
+from ledger.api.app import create_app
+from ledger.core.collector import YOUNG_COLLECTION_EVERY, collecting_less
 from ledger.settings import Settings
 from tests.helpers import TEST_PEPPER
 

@@ -317,3 +317,30 @@ def test_a_client_that_leaves_mid_stream_aborts_its_request() -> None:
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@pytest.mark.parametrize("collect_less", [True, False])
+def test_the_collector_is_tuned_while_the_engine_serves(collect_less: bool) -> None:
+    """``ledger engine serve`` freezes what start-up made (model, framework, warm-up) and
+    collects the young generation less often while it serves, as the ledger API does, and
+    puts the collector back when it stops; ``collect_less=False`` leaves it alone."""
+    import gc
+
+    from starlette.testclient import TestClient
+
+    from ledger.core.collector import YOUNG_COLLECTION_EVERY
+    from workers.engine import load_engine
+    from workers.serve.app import create_app
+
+    before = gc.get_threshold()
+    assert before[0] != YOUNG_COLLECTION_EVERY
+    app = create_app(load_engine("tiny-demo"), served_model_name=MODEL,
+                     tokenizer=ByteTokenizer(), max_batch=2, warm_up_len=64,
+                     collect_less=collect_less)
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json={"model": MODEL, "prompt": "Once",
+                                                 "max_tokens": 3, "temperature": 0.0})
+        assert r.status_code == 200, r.text
+        assert (gc.get_threshold()[0] == YOUNG_COLLECTION_EVERY) == collect_less
+        assert (gc.get_freeze_count() > 0) == collect_less
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0

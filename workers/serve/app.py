@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ledger.core.collector import collecting_less
 from workers.engine.api import Engine, GenerationResult, TokenListener
 from workers.serve import openai_api as oa
 from workers.serve.batcher import EngineBatcher
@@ -48,9 +49,13 @@ log = logging.getLogger(__name__)
 SWITCH_INTERVAL_S = 0.0002
 
 
-def _closing(batcher: EngineBatcher, switch_interval_s: float | None) -> Any:
-    """The app's lifespan: the switch interval while it serves; close the batcher on
-    shutdown (``on_shutdown`` is gone from Starlette 1.x; a lifespan works on 0.x and 1.x)."""
+def _closing(batcher: EngineBatcher, switch_interval_s: float | None,
+             collect_less: bool) -> Any:
+    """The app's lifespan: the switch interval and (``collect_less``) the collector tuned
+    while it serves (``ledger.core.collector``: the model, the framework and the CUDA
+    graphs' objects frozen, so that an old-generation collection, which walked all of them,
+    no longer pauses a step); close the batcher on shutdown (``on_shutdown`` is gone from
+    Starlette 1.x; a lifespan works on 0.x and 1.x)."""
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
@@ -58,7 +63,8 @@ def _closing(batcher: EngineBatcher, switch_interval_s: float | None) -> Any:
         if switch_interval_s is not None:
             sys.setswitchinterval(switch_interval_s)
         try:
-            yield
+            with collecting_less() if collect_less else contextlib.nullcontext():
+                yield
         finally:
             sys.setswitchinterval(before)
             batcher.close()
@@ -144,12 +150,13 @@ def create_app(engine: Engine, *, served_model_name: str, tokenizer: ByteTokeniz
                max_batch: int = 8, batch_wait_s: float = 0.002,
                prefill_chunk: int | None = None,
                switch_interval_s: float | None = SWITCH_INTERVAL_S,
-               warm_up_len: int = 0) -> Starlette:
+               warm_up_len: int = 0, collect_less: bool = True) -> Starlette:
     """The ASGI app serving ``engine`` (which it owns from now on); while it serves, the
     interpreter's switch interval is ``switch_interval_s`` (None: left as it is). With
     ``warm_up_len``, an engine that can (``warm_up``: the reference engine) sizes its KV
     cache for ``max_batch`` requests of that many positions and captures its CUDA graphs
-    before the app exists, so that no early request waits for a capture."""
+    before the app exists, so that no early request waits for a capture. ``collect_less``:
+    the garbage collector tuned while it serves (see ``_closing``)."""
     from ledger.core.fingerprint import FINGERPRINT_PREFIX, fingerprint_id
 
     warm_up = getattr(engine, "warm_up", None)
@@ -298,7 +305,7 @@ def create_app(engine: Engine, *, served_model_name: str, tokenizer: ByteTokeniz
         Route("/health", health, methods=["GET"]),
         Route("/version", version, methods=["GET"]),
         Route("/ledger/fingerprint", fingerprint_route, methods=["GET"]),
-    ], lifespan=_closing(batcher, switch_interval_s))
+    ], lifespan=_closing(batcher, switch_interval_s, collect_less))
     app.state.batcher = batcher
     app.state.fingerprint = fingerprint
     return app
