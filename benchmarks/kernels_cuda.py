@@ -716,6 +716,18 @@ def _launch_errors() -> tuple[type[Exception], ...]:
     return (OutOfResources, CompilationError, RuntimeError)
 
 
+def _linear_inputs(sname: str, m: int, dt: torch.dtype) -> tuple[
+        int, int, int, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """(n, k, K segment, inputs, weights, bi_linear's outputs of the first three) for one
+    of ``C.linear_shapes`` at ``m`` rows; enough input sets to rotate past the L2."""
+    n, k = C.linear_shapes[sname]
+    sets = n_sets((n * k + m * k) * dt.itemsize)
+    ws = [randn(n, k, dt=dt) / math.sqrt(k) for _ in range(sets)]
+    xs = [randn(m, k, dt=dt) for _ in range(sets)]
+    refs = [ck.bi_linear(xs[i], ws[i]) for i in range(min(3, sets))]
+    return n, k, ck.linear_k_segment(n, k, dt), xs, ws, refs
+
+
 def decode_tiles() -> dict[str, Any]:
     """At the decode batch: each launch variant's time and whether its bits equal today's.
 
@@ -729,12 +741,7 @@ def decode_tiles() -> dict[str, Any]:
     m = C.batch
     log(f"decode linears, bf16, M={m}: us per call (mismatching outputs of 3 vs today's path)")
     for sname in ("qkv", "q_o", "down", "gate_up_fused", "lm_head"):
-        n, k = C.linear_shapes[sname]
-        seg = ck.linear_k_segment(n, k, dt)
-        sets = n_sets((n * k + m * k) * dt.itemsize)
-        ws = [randn(n, k, dt=dt) / math.sqrt(k) for _ in range(sets)]
-        xs = [randn(m, k, dt=dt) for _ in range(sets)]
-        refs = [ck.bi_linear(xs[i], ws[i]) for i in range(min(3, sets))]
+        n, k, seg, xs, ws, refs = _linear_inputs(sname, m, dt)
         row: dict[str, Any] = {}
         for bn, bk, warps, stages in DECODE_LINEAR_TILES if not C.dry else DECODE_LINEAR_TILES[:2]:
             if seg % bk:
@@ -821,12 +828,7 @@ def prompt_tiles() -> dict[str, Any]:
         log(f"prompt linears, bf16, M={m}: us per call (!n: mismatching outputs of 3)")
         total: dict[str, float] = {}
         for sname in ("qkv", "q_o", "gate_up_fused", "down"):
-            n, k = C.linear_shapes[sname]
-            seg = ck.linear_k_segment(n, k, dt)
-            sets = n_sets((n * k + m * k) * dt.itemsize)
-            ws = [randn(n, k, dt=dt) / math.sqrt(k) for _ in range(sets)]
-            xs = [randn(m, k, dt=dt) for _ in range(sets)]
-            refs = [ck.bi_linear(xs[i], ws[i]) for i in range(min(3, sets))]
+            n, k, seg, xs, ws, refs = _linear_inputs(sname, m, dt)
             tile_now, split_now = ck._linear_path(m, n, k, dt)
             row: dict[str, Any] = {}
             variants = PROMPT_TILES if not C.dry else PROMPT_TILES[:3]
