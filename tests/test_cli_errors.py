@@ -100,6 +100,8 @@ BAD_INPUT = [
       "{tmp}/o.jsonl"], "missing.jsonl"),
     (["artifact", "hash", "{tmp}/missing-dir"], "missing-dir"),
     (["engine", "serve", "--model", "{tmp}/no-model", "--port", "1"], "no-model"),
+    (["engine", "serve", "--model", "tiny-demo", "--port", "1", "--max-batch", "100000000",
+      "--warm-up-len", "2048"], "--warm-up-len"),
     (["proxy", "--upstream", "http://127.0.0.1:1", "--key", "{tmp}/missing.pem",
       "--fingerprint", "{tmp}/missing.json", "--artifacts", "{tmp}/missing.json"], "missing"),
     (["trust", "init", "--out", "{tmp}/t.toml", "--log-key", "{tmp}/missing.pem"],

@@ -189,9 +189,19 @@ def engine_serve_command(
     if warm_up_len is None:
         warm_up_len = 2048 if device == "cuda" else 0
     with console.status("warming up (KV cache, CUDA graphs)" if warm_up_len else "starting"):
-        app = create_app(engine, served_model_name=name, tokenizer=tokenizer,
-                         max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000,
-                         prefill_chunk=prefill_chunk, warm_up_len=warm_up_len)
+        try:
+            app = create_app(engine, served_model_name=name, tokenizer=tokenizer,
+                             max_batch=max_batch, batch_wait_s=batch_wait_ms / 1000,
+                             prefill_chunk=prefill_chunk, warm_up_len=warm_up_len)
+        except RuntimeError as exc:       # torch.OutOfMemoryError, or the CPU allocator's
+            text = str(exc)
+            if "memory" not in text.lower():
+                raise
+            first = (text.splitlines() or [""])[0]       # (the CPU allocator's, without
+            detail = first.rsplit("] ", 1)[-1].removeprefix("err == 0. ")  # its source line)
+            raise _fail(f"the KV cache for --max-batch {max_batch} x --warm-up-len "
+                        f"{warm_up_len} positions does not fit in memory ({detail[:200]})",
+                        hint="lower --max-batch or --warm-up-len") from exc
     fp = app.state.fingerprint
     if write_fingerprint is not None:
         write_fingerprint.write_text(json.dumps(fp, indent=2) + "\n", encoding="utf-8")
