@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _knobs
 from workers.engine import ReferenceEngine, load_engine
 from workers.engine.api import GenerationRequest, SamplingParams
 from workers.engine.config import LLAMA3_8B_CONFIG
@@ -48,20 +49,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--mixed", action="store_true",
                         help="mixed steps: the decode tokens ride in the prompt forward")
-    parser.add_argument("--set", default="", metavar="NAME=INT,...",
-                        help="workers.engine.cuda_kernels constants for the run (not numerics"
-                             " ones, e.g. _FEW_ROWS=128: bits stay, speed may not), or "
-                             "static_decode.PREFILL_GRAPHS=0 (prompt forwards eagerly)")
+    parser.add_argument("--set", default="", metavar="NAME=INT,...", help=_knobs.HELP)
     args = parser.parse_args()
-    if args.set:
-        from workers.engine import cuda_kernels, static_decode
-
-        for item in args.set.split(","):
-            name, value = item.split("=")
-            module = static_decode if name.startswith("static_decode.") else cuda_kernels
-            name = name.removeprefix("static_decode.")
-            assert hasattr(module, name), f"no {module.__name__}.{name}"
-            setattr(module, name, int(value))
+    _knobs.apply(args.set)
     cuda = args.device == "cuda"
     running = args.running or (24 if cuda else 4)
     prompt_len = args.prompt or (512 if cuda else 48)

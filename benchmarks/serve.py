@@ -57,6 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT / "benchmarks"]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import _knobs  # noqa: E402  (after the path fix above)
+
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -108,6 +110,7 @@ def summarize(target: str, rate: float, timings: list[Timing], extra: dict[str, 
 def make_engine(args: argparse.Namespace) -> Any:
     import torch
 
+    _knobs.apply(args.set)
     from workers.engine import ReferenceEngine, load_engine
     from workers.engine.config import LLAMA3_8B_CONFIG
     from workers.engine.prefix_cache import PrefixCache
@@ -270,6 +273,7 @@ def start_serve(args: argparse.Namespace, port: int) -> subprocess.Popen[bytes]:
            "--prompt", str(args.prompt), "--new", str(args.new)] + (
                ["--no-warm-up"] if args.no_warm_up else []) + (
                ["--default-gc"] if args.default_gc else []) + (
+               ["--set", args.set] if args.set else []) + (
                [] if args.switch_interval is None else
                ["--switch-interval", str(args.switch_interval)]) + (
                ["--mixed"] if args.mixed else [])
@@ -354,6 +358,8 @@ def main() -> None:
                              "tuned while serving, as before 2026-12-04)")
     parser.add_argument("--mixed", action="store_true",
                         help="our engine with mixed steps (decode tokens in prompt forwards)")
+    parser.add_argument("--set", default="", metavar="NAME=INT,...",
+                        help="our engine with " + _knobs.HELP)
     parser.add_argument("--modes", default="bi,default",
                         help="reference engine modes: bi (batch invariant), default (in "
                              "process), serve (bi behind our HTTP server); 'none' to "
