@@ -33,7 +33,10 @@ Targets, each at every rate:
 
 Per target and rate: completed requests, new tokens/s (all new tokens / time from the first
 arrival to the last completion), TTFT p50/p95 (arrival -> first token), inter-token
-latency p95 (gaps between a request's consecutive tokens), prefix-cache hit share.
+latency p95 (gaps between a request's consecutive tokens), prefix-cache hit share. With
+``--repeat N`` each rate runs N times per target, and a summary gives medians, ranges and
+our server's ratios to the other targets (on the H200 one 64/s run of the same code moves
+by up to 10% from the next).
 """
 
 from __future__ import annotations
@@ -337,6 +340,41 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def summary(rows: list[dict[str, Any]]) -> str:
+    """Per target and rate over its runs: the median and range of new tokens/s and the
+    median ITL p95; then ``ledger-serve-bi``'s median over each other target's (its range:
+    our worst run over their best, our best over their worst)."""
+    import statistics
+
+    runs: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["new_tok_s"] is not None:
+            runs.setdefault((r["target"], r["rate"]), []).append(r)
+    lines = ["| target | rate/s | runs | new tok/s median | range | ITL p95 ms median |",
+             "|---|---|---|---|---|---|"]
+    tput: dict[tuple[str, float], list[float]] = {}
+    for (target, rate), rs in runs.items():
+        tput[target, rate] = t = sorted(r["new_tok_s"] for r in rs)
+        itl = statistics.median(r["itl_p95_s"] for r in rs if r["itl_p95_s"] is not None)
+        lines.append(f"| {target} | {rate:g} | {len(rs)} | {statistics.median(t):.0f} | "
+                     f"{t[0]:.0f}-{t[-1]:.0f} | {itl * 1e3:.1f} |")
+    ours = "ledger-serve-bi"
+    others = sorted({target for target, _ in tput} - {ours})
+    if any(target == ours for target, _ in tput) and others:
+        lines += ["", "| rate/s | " + " | ".join(f"ours / {o}" for o in others) + " |",
+                  "|---|" + "---|" * len(others)]
+        for rate in sorted({rate for target, rate in tput if target == ours}):
+            us = tput[ours, rate]
+            cells = []
+            for o in others:
+                them = tput.get((o, rate))
+                cells.append("-" if not them else
+                             f"{statistics.median(us) / statistics.median(them):.2f} "
+                             f"({us[0] / them[-1]:.2f}-{us[-1] / them[0]:.2f})")
+            lines.append(f"| {rate:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -374,8 +412,13 @@ def main() -> None:
     parser.add_argument("--url-model", default="tiny-demo")
     parser.add_argument("--vllm-model", default=None)
     parser.add_argument("--vllm", default="default,flag")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="runs of each rate per target (a summary table of medians and "
+                             "ranges, and of our server's ratios to each other target)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
     gpu = args.device == "cuda"
     args.rates = args.rates or ("2,4,8,16" if gpu else "4,16")
     args.requests = args.requests or (128 if gpu else 24)
@@ -386,6 +429,8 @@ def main() -> None:
     args.prefix_pages = args.prefix_pages if args.prefix_pages is not None else \
         (4096 if gpu else 256)
     rates = [float(r) for r in args.rates.split(",")]
+    # --repeat: each rate measured that many times in a row on the same warmed target
+    runs = [{"run": i + 1} for i in range(args.repeat)] if args.repeat > 1 else [{}]
     if args.child_port is not None:
         serve_child(args)
         return
@@ -406,8 +451,9 @@ def main() -> None:
         for mode in modes:
             engine.batch_invariant = mode == "bi"
             for rate in rates:
-                rows.append(run_reference(engine, args, rate))
-                log(json.dumps(rows[-1]))
+                for run in runs:
+                    rows.append({**run_reference(engine, args, rate), **run})
+                    log(json.dumps(rows[-1]))
         del engine
         if gpu:
             import torch
@@ -418,30 +464,36 @@ def main() -> None:
         try:
             warm_http("http://127.0.0.1:8300", "bench", vocab, args)
             for rate in rates:
-                rows.append(run_http("http://127.0.0.1:8300", "bench", vocab, args, rate,
-                                     "ledger-serve-bi"))
-                log(json.dumps(rows[-1]))
+                for run in runs:
+                    rows.append({**run_http("http://127.0.0.1:8300", "bench", vocab, args,
+                                            rate, "ledger-serve-bi"), **run})
+                    log(json.dumps(rows[-1]))
         finally:
             proc.terminate()
             proc.wait(60)
     if args.url:
         warm_http(args.url, args.url_model, vocab, args)
         for rate in rates:
-            rows.append(run_http(args.url, args.url_model, vocab, args, rate, "http"))
-            log(json.dumps(rows[-1]))
+            for run in runs:
+                rows.append({**run_http(args.url, args.url_model, vocab, args, rate, "http"),
+                             **run})
+                log(json.dumps(rows[-1]))
     if args.vllm_model:
         for variant in args.vllm.split(","):
             proc = start_vllm(args.vllm_model, variant, 8200, args)
             try:
                 warm_http("http://127.0.0.1:8200", args.vllm_model, vocab, args)
                 for rate in rates:
-                    rows.append(run_http("http://127.0.0.1:8200", args.vllm_model, vocab,
-                                         args, rate, f"vllm-{variant}"))
-                    log(json.dumps(rows[-1]))
+                    for run in runs:
+                        rows.append({**run_http("http://127.0.0.1:8200", args.vllm_model,
+                                                vocab, args, rate, f"vllm-{variant}"), **run})
+                        log(json.dumps(rows[-1]))
             finally:
                 proc.terminate()
                 proc.wait(60)
     text = table(rows)
+    if args.repeat > 1:
+        text += "\n\n" + summary(rows)
     header = (f"{platform.node()} {args.device}: {args.requests} requests x ({args.prompt} "
               f"prompt tokens, {args.shared} shared from {args.prefixes} prefixes, + "
               f"{args.new} new), max_batch {args.max_batch}, chunk {args.chunk}, prefix "

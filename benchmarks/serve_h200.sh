@@ -20,7 +20,9 @@ OUT=${OUT:-serve-h200-out}; mkdir -p "$OUT"
 export PYTHONPATH=/root/site:$PWD PYTHONUNBUFFERED=1
 CKPT=/root/ckpt/llama3-8b-shape
 RATES=${RATES:-4,16,64}
-serve() { python3 benchmarks/serve.py --device cuda --rates "$RATES" --requests 64 "$@"; }
+REPEAT=${REPEAT:-1}       # runs of each rate per target (serve.py --repeat: medians, ranges)
+serve() { python3 benchmarks/serve.py --device cuda --rates "$RATES" --requests 64 \
+  --repeat "$REPEAT" "$@"; }
 vl() { for d in .vl1 .vl2 .vl3 .vl4; do [ -d "$d" ] && bash "$d"/install_vllm_offline.sh | tail -1; done; }
 case "${1:?step: ours, prep, stage, vllm, tests or threads}" in
   ours)
