@@ -113,10 +113,11 @@ def summarize(target: str, rate: float, timings: list[Timing], extra: dict[str, 
 def make_engine(args: argparse.Namespace) -> Any:
     import torch
 
-    _knobs.apply(args.set)
     from workers.engine import ReferenceEngine, load_engine
     from workers.engine.config import LLAMA3_8B_CONFIG
     from workers.engine.prefix_cache import PrefixCache
+
+    _knobs.apply(args.set)
 
     if args.device == "cuda":
         engine = ReferenceEngine.random(LLAMA3_8B_CONFIG, device="cuda", dtype="bfloat16")
@@ -355,9 +356,10 @@ def summary(rows: list[dict[str, Any]]) -> str:
     tput: dict[tuple[str, float], list[float]] = {}
     for (target, rate), rs in runs.items():
         tput[target, rate] = t = sorted(r["new_tok_s"] for r in rs)
-        itl = statistics.median(r["itl_p95_s"] for r in rs if r["itl_p95_s"] is not None)
+        itls = [r["itl_p95_s"] for r in rs if r["itl_p95_s"] is not None]
+        itl = f"{statistics.median(itls) * 1e3:.1f}" if itls else "-"
         lines.append(f"| {target} | {rate:g} | {len(rs)} | {statistics.median(t):.0f} | "
-                     f"{t[0]:.0f}-{t[-1]:.0f} | {itl * 1e3:.1f} |")
+                     f"{t[0]:.0f}-{t[-1]:.0f} | {itl} |")
     ours = "ledger-serve-bi"
     others = sorted({target for target, _ in tput} - {ours})
     if any(target == ours for target, _ in tput) and others:
@@ -435,7 +437,15 @@ def main() -> None:
         serve_child(args)
         return
 
-    rows = []
+    rows: list[dict[str, Any]] = []
+
+    def measure(one: Any) -> None:
+        """``one(rate)`` at every rate, each --repeat times in a row; rows and the log."""
+        for rate in rates:
+            for run in runs:
+                rows.append({**one(rate), **run})
+                log(json.dumps(rows[-1]))
+
     modes = [m for m in args.modes.split(",") if m in ("bi", "default")]
     if gpu:
         from workers.engine.config import LLAMA3_8B_CONFIG
@@ -450,10 +460,7 @@ def main() -> None:
         run_reference(engine, argparse.Namespace(**{**vars(args), "requests": 4}), 100.0)
         for mode in modes:
             engine.batch_invariant = mode == "bi"
-            for rate in rates:
-                for run in runs:
-                    rows.append({**run_reference(engine, args, rate), **run})
-                    log(json.dumps(rows[-1]))
+            measure(lambda rate: run_reference(engine, args, rate))
         del engine
         if gpu:
             import torch
@@ -463,31 +470,22 @@ def main() -> None:
         proc = start_serve(args, 8300)
         try:
             warm_http("http://127.0.0.1:8300", "bench", vocab, args)
-            for rate in rates:
-                for run in runs:
-                    rows.append({**run_http("http://127.0.0.1:8300", "bench", vocab, args,
-                                            rate, "ledger-serve-bi"), **run})
-                    log(json.dumps(rows[-1]))
+            measure(lambda rate: run_http("http://127.0.0.1:8300", "bench", vocab, args,
+                                          rate, "ledger-serve-bi"))
         finally:
             proc.terminate()
             proc.wait(60)
     if args.url:
         warm_http(args.url, args.url_model, vocab, args)
-        for rate in rates:
-            for run in runs:
-                rows.append({**run_http(args.url, args.url_model, vocab, args, rate, "http"),
-                             **run})
-                log(json.dumps(rows[-1]))
+        measure(lambda rate: run_http(args.url, args.url_model, vocab, args, rate, "http"))
     if args.vllm_model:
         for variant in args.vllm.split(","):
             proc = start_vllm(args.vllm_model, variant, 8200, args)
             try:
                 warm_http("http://127.0.0.1:8200", args.vllm_model, vocab, args)
-                for rate in rates:
-                    for run in runs:
-                        rows.append({**run_http("http://127.0.0.1:8200", args.vllm_model,
-                                                vocab, args, rate, f"vllm-{variant}"), **run})
-                        log(json.dumps(rows[-1]))
+                measure(lambda rate, variant=variant: run_http(
+                    "http://127.0.0.1:8200", args.vllm_model, vocab, args, rate,
+                    f"vllm-{variant}"))
             finally:
                 proc.terminate()
                 proc.wait(60)

@@ -169,8 +169,7 @@ class StaticDecoder:
             if bucket >= last:
                 break
             bucket *= 2
-        if PREFILL_GRAPHS and ops.rows_attention_applies(self._rope):
-            self._check_rope()
+        if PREFILL_GRAPHS and ops.rows_attention_applies(self._rope):   # (step checked it)
             self._capture_prefills()
         torch.cuda.synchronize(dev)
         return len(self.captured) + len(self.captured_prefills) - before
