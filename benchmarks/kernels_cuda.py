@@ -813,7 +813,16 @@ PROMPT_TILES = [(128, 128, 8, 4, False, True), (128, 128, 8, 4, False, False),
                 (64, 64, 4, 6, True, False), (64, 128, 4, 4, True, False),
                 (128, 64, 4, 4, True, False), (128, 128, 8, 4, True, False),
                 (128, 128, 4, 4, True, False), (64, 128, 4, 4, False, False),
-                (64, 64, 4, 6, False, False), (128, 64, 4, 4, False, False)]
+                (64, 64, 4, 6, False, False), (128, 64, 4, 4, False, False),
+                # 2026-12-04, session 14: wider tiles and fewer stages for 160-256 rows
+                (128, 256, 8, 3, False, True), (128, 256, 8, 3, False, False),
+                (64, 256, 4, 3, False, False), (64, 128, 4, 3, False, False),
+                (64, 128, 8, 4, False, False), (128, 128, 8, 3, False, False),
+                (256, 128, 8, 3, False, False), (64, 128, 4, 5, True, False),
+                (128, 128, 8, 3, True, False), (64, 256, 4, 3, True, False)]
+#: Row counts of the prompt-tiles section: a 128-token prompt; mixed steps of decode rows
+#: and one prompt (152 rows pad to the 192-row bucket); two prompts.
+PROMPT_ROWS = (128, 160, 192, 256)
 
 
 def prompt_tiles() -> dict[str, Any]:
@@ -824,11 +833,15 @@ def prompt_tiles() -> dict[str, Any]:
     programs for qkv, o and down at 128 rows, on 132 SMs); "today" names bi_linear's path."""
     out: dict[str, Any] = {}
     dt = torch.bfloat16
-    for m in ((128, 192, 256) if not C.dry else (5, 9)):
-        log(f"prompt linears, bf16, M={m}: us per call (!n: mismatching outputs of 3)")
+    for m in (PROMPT_ROWS if not C.dry else (5, 9)):
+        log(f"prompt linears, bf16, M={m}: us per call (!n: mismatching outputs of 3; "
+            "gate_up with its silu * up epilogue, TMA then silu_mul: two launches)")
         total: dict[str, float] = {}
         for sname in ("qkv", "q_o", "gate_up_fused", "down"):
             n, k, seg, xs, ws, refs = _linear_inputs(sname, m, dt)
+            silu = sname == "gate_up_fused"
+            if silu:  # what the engine runs: the product and silu(gate) * up
+                refs = [ck.linear_silu_mul(xs[i], ws[i]) for i in range(len(refs))]
             tile_now, split_now = ck._linear_path(m, n, k, dt)
             row: dict[str, Any] = {}
             variants = PROMPT_TILES if not C.dry else PROMPT_TILES[:3]
@@ -842,8 +855,13 @@ def prompt_tiles() -> dict[str, Any]:
                         f"{'tma' if tma else ''}")
 
                 def fn(x: torch.Tensor, w: torch.Tensor, tile: ck._Tile = tile,
-                       split: bool = split, tma: bool = tma) -> torch.Tensor:
-                    return ck._launch_linear(x, w, None, tile, split, tma=tma)
+                       split: bool = split, tma: bool = tma, silu: bool = silu
+                       ) -> torch.Tensor:
+                    if silu and tma:
+                        return ck.silu_mul(*ck._launch_linear(x, w, None, tile, split,
+                                                              tma=True).chunk(2, dim=-1))
+                    return ck._launch_linear(x, w, None, tile, split, tma=tma,
+                                             epilogue=ck._SILU_MUL if silu else ck._STORE)
 
                 def bad(fn: Callable[..., torch.Tensor] = fn, xs: list[torch.Tensor] = xs,
                         ws: list[torch.Tensor] = ws, refs: list[torch.Tensor] = refs) -> int:

@@ -535,7 +535,8 @@ def _silu_mul_case(dtype: torch.dtype, i: int, k: int, rows: list[int], bias: bo
         x = randn(m, k, dtype=dtype, gen=gen)
         want = ck.silu_mul(*ck.bi_linear(x, w, b).chunk(2, dim=-1))
         assert torch.equal(ck.linear_silu_mul(x, w, b), want), f"M={m}"
-        for tile, split in _epilogue_paths(dtype):
+        mid = [(t, False) for _, t in ck._SILU_MID_TILES] if dtype != torch.float32 else []
+        for tile, split in _epilogue_paths(dtype) + mid:
             got = ck._launch_linear(x, w, b, tile, split, epilogue=ck._SILU_MUL)
             assert got.shape == (m, i)
             assert torch.equal(got, want), f"M={m}, {tile}, split={split}"
@@ -563,8 +564,9 @@ def test_linear_fp32_store_is_the_linear_then_float() -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_linear_silu_mul_is_the_linear_then_silu_mul(dtype: torch.dtype) -> None:
     """Gate and up columns of one tile, silu(gate) * up in the store: the bits of the two
-    launches on every path (split and fused, every tile), with a bias and ragged I."""
-    _silu_mul_case(dtype, i=160, k=1024, rows=[1, 5], bias=True)
+    launches on every path (split and fused, every tile, the prompt rows' tiles too), with a
+    bias and ragged I."""
+    _silu_mul_case(dtype, i=160, k=1024, rows=[1, 5, 70], bias=True)
 
 
 def _rope_fused_case(dtype: torch.dtype, hq: int, hkv: int, d: int, k: int, rows: list[int],
@@ -615,9 +617,10 @@ def test_linear_rope_kv_is_the_linear_then_rope(dtype: torch.dtype) -> None:
 @needs_cuda
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_fused_epilogues_llama_shapes(dtype: torch.dtype) -> None:
-    """Llama-3-8B's gate/up and qkv at decode batches (and 100 rows: the fallback)."""
+    """Llama-3-8B's gate/up and qkv at decode batches, 100 rows (qkv: the fallback) and a
+    prompt forward's 150-256 rows (gate/up: its own tiles)."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    _silu_mul_case(dtype, i=14336, k=4096, rows=[1, 7, 64, 100], bias=False)
+    _silu_mul_case(dtype, i=14336, k=4096, rows=[1, 7, 64, 100, 150, 192, 256], bias=False)
     _rope_fused_case(dtype, hq=32, hkv=8, d=128, k=4096, rows=[1, 7, 64, 100], bias=False)
     if dtype != torch.float32:
         _fp32_store_case(dtype, n=128256, k=4096, rows=[1, 64, 100])

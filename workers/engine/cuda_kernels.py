@@ -661,12 +661,28 @@ def bi_linear_fp32(
 FUSE_EPILOGUES = 1
 
 
-def _fusable(x: torch.Tensor, weight: torch.Tensor) -> tuple[_Tile, bool] | None:
+# Not numerics: the tiles silu(gate) * up's product runs on, fused, at 65-256 rows (a
+# prompt forward, a mixed step), where bi_linear would take the TMA path and silu_mul a
+# launch of its own. By the rows a tile pads least, then the wider one. H200, bf16, gate/up
+# 28672x4096, us (TMA + silu_mul -> this): 128 rows 76.0 -> 68.8, 192 rows 139.1 -> 101.1,
+# 256 rows 127.1 -> 117.3 (benchmarks/kernels_cuda.py "prompt tiles", each today's bits).
+_SILU_MID_TILES = (
+    (128, _Tile(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)),
+    (192, _Tile(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)),
+    (256, _Tile(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)),
+)
+
+
+def _fusable(x: torch.Tensor, weight: torch.Tensor, epilogue: int = _STORE
+             ) -> tuple[_Tile, bool] | None:
     """(tile, split) of the product if its path can carry a fused epilogue (not TMA)."""
     if not FUSE_EPILOGUES:
         return None
-    tile, split = _linear_path(x.shape[0], weight.shape[0], x.shape[1], x.dtype)
+    m = x.shape[0]
+    tile, split = _linear_path(m, weight.shape[0], x.shape[1], x.dtype)
     if not split and tile.block_m >= 128 and _tma_ok(x, weight):
+        if epilogue == _SILU_MUL and m > _FEW_ROWS:
+            return next(((t, False) for rows, t in _SILU_MID_TILES if m <= rows), None)
         return None
     return tile, split
 
@@ -679,7 +695,7 @@ def linear_silu_mul(
     runs on a non-TMA path (few rows: every decode step), else the two."""
     _check_linear(x, w_gate_up, bias, "linear_silu_mul")
     assert w_gate_up.shape[0] % 2 == 0, "linear_silu_mul: weight [2I, K]"
-    path = _fusable(x, w_gate_up)
+    path = _fusable(x, w_gate_up, _SILU_MUL)
     if path is None:
         gate, up = bi_linear(x, w_gate_up, bias).chunk(2, dim=-1)
         return silu_mul(gate, up)
@@ -1008,6 +1024,10 @@ def rope_qkv_to_cache(
 
 KV_SPLIT = 256          # NUMERICS: tokens per KV split
 _DECODE_BLOCK_N = 64    # NUMERICS: keys per inner step
+# Not numerics: rows with a slot each (prompt rows) run several to a program in
+# _rows_attention_kernel, as many as their query heads fill the MMA's 16 rows; 0: one row per
+# program in the decode kernel, as before.
+_GROUP_SLOT_ROWS = 1
 
 
 @triton.jit(do_not_specialize=["n_kv_heads", "max_splits"])
@@ -1107,6 +1127,136 @@ def _decode_attention_kernel(
                  .to(o_ptr.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit(do_not_specialize=["n_rows", "n_kv_heads", "max_splits"])
+def _rows_attention_kernel(
+    q_ptr, k_ptr, v_ptr, lens_ptr, slots_ptr, o_ptr, part_o_ptr, part_ml_ptr, cnt_ptr,
+    stride_qb, stride_qh,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh,
+    n_rows, n_kv_heads, max_splits, scale_log2,
+    ROWS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """``_decode_attention_kernel`` with a slot per row, ROWS rows per program: the rows
+    of a prompt read the same slot, so one program loads each key and value block once for
+    all of them (the query heads of ROWS rows fill the MMA's rows, which the decode kernel
+    pads). Rows of another slot in the same program run in a pass of their own. Each row
+    sums the same keys in the same blocks, splits and combine order as a decode row of its
+    length (only the MMA row it occupies differs), so its bits are a decode row's.
+
+    Lane i of the program: row first + i // GROUP, query head kvh * GROUP + i % GROUP.
+    """
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    grp = tl.program_id(2)
+    first = grp.to(tl.int64) * ROWS
+    start = split * SPLIT
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    lane_r = offs_g // GROUP
+    rows = first + lane_r                                                # [G_PAD]
+    valid = (lane_r < ROWS) & (rows < n_rows)
+    heads = kvh * GROUP + offs_g % GROUP
+    lens = tl.load(lens_ptr + rows, mask=valid, other=0)
+    lane_slot = tl.load(slots_ptr + rows, mask=valid, other=-1)
+    out_ptrs = o_ptr + rows[:, None] * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    if split == 0:
+        # Empty rows (length 0): defined output instead of garbage.
+        empty = valid & (lens == 0)
+        tl.store(out_ptrs, tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+                 .to(o_ptr.dtype.element_ty), mask=empty[:, None] & mask_d[None, :])
+    max_len = tl.max(tl.where(valid, lens, 0), axis=0)
+    if start < max_len:
+        q = tl.load(q_ptr + rows[:, None] * stride_qb + heads[:, None] * stride_qh
+                    + offs_d[None, :], mask=valid[:, None] & mask_d[None, :], other=0.0)
+        lane_end = tl.minimum(start + SPLIT, lens)                       # [G_PAD]
+        working = valid & (start < lens)      # lanes with keys in this split
+        m_out = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+        l_out = tl.zeros([G_PAD], dtype=tl.float32)
+        acc_out = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+        row_part = (rows * n_kv_heads * GROUP + heads) * max_splits         # [G_PAD]
+        for r in tl.static_range(ROWS):
+            # Pass r: the lanes of row r's slot, unless an earlier row had that slot.
+            slot_r = tl.load(slots_ptr + first + r, mask=first + r < n_rows, other=-1)
+            fresh = slot_r >= 0
+            for e in tl.static_range(r):
+                fresh = fresh & (tl.load(slots_ptr + first + e, mask=first + e < n_rows,
+                                         other=-2) != slot_r)
+            lanes = working & (lane_slot == slot_r)
+            end = tl.max(tl.where(lanes, lane_end, 0), axis=0)
+            if fresh & (end > start):
+                c = slot_r.to(tl.int64)
+                k_base = k_ptr + c * stride_kb + kvh * stride_kh
+                v_base = v_ptr + c * stride_vb + kvh * stride_vh
+                m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+                l_i = tl.zeros([G_PAD], dtype=tl.float32)
+                acc = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+                for n0 in range(start, end, BLOCK_N):
+                    offs_n = n0 + tl.arange(0, BLOCK_N)
+                    mask_n = offs_n < end
+                    kv_mask = mask_n[:, None] & mask_d[None, :]
+                    k = tl.load(k_base + offs_n.to(tl.int64)[:, None] * stride_ks
+                                + offs_d[None, :], mask=kv_mask, other=0.0)   # [BN, D]
+                    qk = _mma(q, tl.trans(k), tl.zeros([G_PAD, BLOCK_N], dtype=tl.float32),
+                              IEEE, UPCAST)                                   # [G_PAD, BN]
+                    keep = lanes[:, None] & (offs_n[None, :] < lane_end[:, None])
+                    qk = tl.where(keep, qk * scale_log2, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                    # lanes outside the pass stay at -inf: subtract 0 there, not -inf
+                    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+                    alpha = tl.exp2(m_i - m_sub)
+                    p = tl.exp2(qk - m_sub[:, None])
+                    l_i = l_i * alpha + tl.sum(p, axis=1)
+                    v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs
+                                + offs_d[None, :], mask=kv_mask, other=0.0)   # [BN, D]
+                    acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE, UPCAST)
+                    m_i = m_new
+                m_out = tl.where(lanes, m_i, m_out)
+                l_out = tl.where(lanes, l_i, l_out)
+                acc_out = tl.where(lanes[:, None], acc, acc_out)
+        # Partials as the decode kernel lays them out: o [B, Hq, max_splits, D], (m, l).
+        wmask = working[:, None] & mask_d[None, :]
+        tl.store(part_o_ptr + (row_part + split)[:, None] * HEAD_DIM + offs_d[None, :],
+                 acc_out, mask=wmask)
+        tl.store(part_ml_ptr + (row_part + split) * 2, m_out, mask=working)
+        tl.store(part_ml_ptr + (row_part + split) * 2 + 1, l_out, mask=working)
+        tl.debug_barrier()
+        cnt = cnt_ptr + grp * n_kv_heads + kvh
+        done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if done == tl.cdiv(max_len, SPLIT) - 1:
+            # Last split program of these rows: each row combines its own splits in order.
+            n_needed = tl.cdiv(lens, SPLIT)                                  # [G_PAD]
+            live = valid & (lens > 0)
+            m_all = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+            for s in range(0, tl.cdiv(max_len, SPLIT)):
+                has = live & (s < n_needed)
+                m_s = tl.load(part_ml_ptr + (row_part + s) * 2, mask=has, other=0.0,
+                              cache_modifier=".cg")
+                m_all = tl.where(has, tl.maximum(m_all, m_s), m_all)
+            l_all = tl.zeros([G_PAD], dtype=tl.float32)
+            o_all = tl.zeros([G_PAD, BLOCK_D], dtype=tl.float32)
+            for s in range(0, tl.cdiv(max_len, SPLIT)):
+                has = live & (s < n_needed)
+                m_s = tl.load(part_ml_ptr + (row_part + s) * 2, mask=has, other=0.0,
+                              cache_modifier=".cg")
+                l_s = tl.load(part_ml_ptr + (row_part + s) * 2 + 1, mask=has, other=0.0,
+                              cache_modifier=".cg")
+                o_s = tl.load(part_o_ptr + (row_part + s)[:, None] * HEAD_DIM
+                              + offs_d[None, :], mask=has[:, None] & mask_d[None, :],
+                              other=0.0, cache_modifier=".cg")
+                w = tl.exp2(m_s - tl.where(has, m_all, 0.0))
+                l_all = tl.where(has, l_all + l_s * w, l_all)
+                o_all = tl.where(has[:, None], o_all + o_s * w[:, None], o_all)
+            tl.store(cnt, 0)
+            l_all = tl.where(live, l_all, 1.0)   # rows past the end, empty rows: no 0/0
+            tl.store(out_ptrs, (o_all / l_all[:, None]).to(o_ptr.dtype.element_ty),
+                     mask=live[:, None] & mask_d[None, :])
+
+
 def bi_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -1168,6 +1318,23 @@ def _launch_decode_attention(
     counters = _COUNTERS.get(q.device, bsz * n_kv_heads)
     interp = _interpreting()
     fp32 = q.dtype == torch.float32
+    g_pad = max(16, triton.next_power_of_2(group))
+    rows_per = g_pad // group if slots is not None and _GROUP_SLOT_ROWS else 1
+    if rows_per > 1:
+        _rows_attention_kernel[(max_splits, n_kv_heads, triton.cdiv(bsz, rows_per))](
+            q, k_cache, v_cache, seq_lens, slots, out, part_o, part_ml, counters,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1),
+            bsz, n_kv_heads, max_splits, scale * 1.4426950408889634,
+            ROWS=rows_per, GROUP=group, G_PAD=g_pad, HEAD_DIM=head_dim,
+            BLOCK_D=triton.next_power_of_2(head_dim), SPLIT=split_size, BLOCK_N=block_n,
+            IEEE=fp32, UPCAST=(interp and q.dtype == torch.bfloat16),
+            num_warps=num_warps,
+            num_stages=num_stages if num_stages is not None else (2 if fp32 else 3),
+        )
+        return out
     grid = (max_splits, n_kv_heads, bsz)
     _decode_attention_kernel[grid](
         q, k_cache, v_cache, seq_lens, slots if slots is not None else seq_lens, out,
@@ -1177,7 +1344,7 @@ def _launch_decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         n_kv_heads, max_splits, scale * 1.4426950408889634,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
+        GROUP=group, G_PAD=g_pad,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         SPLIT=split_size, BLOCK_N=block_n, IEEE=fp32,
         UPCAST=(interp and q.dtype == torch.bfloat16), HAS_SLOTS=slots is not None,
