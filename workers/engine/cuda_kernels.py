@@ -1210,11 +1210,15 @@ def _rows_attention_kernel(
                     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
                     alpha = tl.exp2(m_i - m_sub)
                     p = tl.exp2(qk - m_sub[:, None])
-                    l_i = l_i * alpha + tl.sum(p, axis=1)
                     v = tl.load(v_base + offs_n.to(tl.int64)[:, None] * stride_vs
                                 + offs_d[None, :], mask=kv_mask, other=0.0)   # [BN, D]
-                    acc = _mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE, UPCAST)
-                    m_i = m_new
+                    # lanes whose keys ended before this block keep their state as it was
+                    live = lanes & (n0 < lane_end)
+                    l_i = tl.where(live, l_i * alpha + tl.sum(p, axis=1), l_i)
+                    acc = tl.where(live[:, None],
+                                   _mma(p.to(v.dtype), v, acc * alpha[:, None], IEEE, UPCAST),
+                                   acc)
+                    m_i = tl.where(live, m_new, m_i)
                 m_out = tl.where(lanes, m_i, m_out)
                 l_out = tl.where(lanes, l_i, l_out)
                 acc_out = tl.where(lanes[:, None], acc, acc_out)
