@@ -363,6 +363,9 @@ def _slots_read_the_slot_bits(dtype: torch.dtype, hq: int, hkv: int, d: int, slo
     lens = torch.tensor([n for _, n in rows], dtype=torch.int32, device=DEV)
     out = ck.bi_decode_attention(q, kc, vc, lens, scale, slots=slots)
     for r, (slot, n) in enumerate(rows):
+        if n == 0:                               # an empty row: zeros, as a decode row's
+            assert not out[r].any(), f"row {r} (length 0) is not zeros"
+            continue
         stop = n + (r % 3) * 7                   # the chunk path's views end past the row
         view = ck.bi_decode_attention(q[r:r + 1], kc[slot:slot + 1, :, :stop],
                                       vc[slot:slot + 1, :, :stop], lens[r:r + 1], scale)
@@ -376,8 +379,10 @@ def _slots_read_the_slot_bits(dtype: torch.dtype, hq: int, hkv: int, d: int, slo
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_attention_with_slots_reads_each_rows_slot(dtype: torch.dtype) -> None:
     """Prompt rows of several slots in one launch (``ops.rows_attention``): several rows of
-    one slot at consecutive lengths, 1 to 3 KV splits, slots out of order."""
-    rows = [(2, 1), (0, 300), (2, 299), (2, 300), (1, 600), (0, 17)]
+    one slot at consecutive lengths, 1 to 3 KV splits, slots out of order, an empty row;
+    groups of ``_rows_attention_kernel`` with one slot, two, and rows at a split boundary."""
+    rows = [(2, 1), (0, 300), (2, 299), (2, 300), (1, 600), (0, 17), (1, 0), (1, 256),
+            (1, 257)]
     _slots_read_the_slot_bits(dtype, 8, 2, 64, 3, 600, rows, seed=11)
 
 
@@ -390,6 +395,9 @@ def test_gpu_decode_attention_with_slots_llama_shapes(dtype: torch.dtype) -> Non
              int(torch.randint(1, 1000, (1,), generator=gen))) for _ in range(200)]
     rows += [(5, n) for n in range(380, 520)]          # a prompt chunk after a prefix hit
     _slots_read_the_slot_bits(dtype, 32, 8, 128, 6, 1024, rows, seed=12)
+    # a mixed step: decode rows of distinct slots, then a 128-row prompt of one slot
+    rows = [(s, 500 + 3 * s) for s in range(56)] + [(56, n) for n in range(385, 513)]
+    _slots_read_the_slot_bits(dtype, 32, 8, 128, 57, 1024, rows, seed=14)
 
 
 @gpu
