@@ -36,10 +36,9 @@ arrival to the last completion), TTFT p50/p95 (arrival -> first token), inter-to
 latency p95 (gaps between a request's consecutive tokens), the time from the last first
 token to the last completion and the ITL p50 in it (decode steps alone: no prompt joins
 then; at 64/s on the H200 that part, not the joins, holds most of the gap to vLLM),
-prefix-cache hit share. With
-``--repeat N`` each rate runs N times per target, and a summary gives medians, ranges and
-our server's ratios to the other targets (on the H200 one 64/s run of the same code moves
-by up to 10% from the next).
+prefix-cache hit share. With ``--repeat N`` each rate runs N times per target, and a
+summary gives medians, ranges and our server's ratios to the other targets (on the H200
+one 64/s run of the same code moves by up to 10% from the next).
 """
 
 from __future__ import annotations
@@ -105,13 +104,13 @@ def summarize(target: str, rate: float, timings: list[Timing], extra: dict[str, 
     last = max(t.tokens[-1] for t in done) if done else first
     new = sum(len(t.tokens) for t in done)
     ttft = [t.tokens[0] - t.arrival for t in done]
-    itl = [b - a for t in done for a, b in zip(t.tokens, t.tokens[1:], strict=False)]
+    gaps = [(a, b - a) for t in done for a, b in zip(t.tokens, t.tokens[1:], strict=False)]
+    itl = [gap for _, gap in gaps]
     # After every request's first token no prompt runs any more: the gaps from then on are
     # decode steps alone (and the end of the run's bookkeeping), the ones before include
     # the steps a prompt joined.
     settled = max(t.tokens[0] for t in done) if done else first
-    tail = [b - a for t in done for a, b in zip(t.tokens, t.tokens[1:], strict=False)
-            if a >= settled]
+    tail = [gap for a, gap in gaps if a >= settled]
     return {"target": target, "rate": rate, "requests": len(timings), "completed": len(done),
             "new_tokens": new, "new_tok_s": new / (last - first) if last > first else None,
             "ttft_p50_s": pct(ttft, 50), "ttft_p95_s": pct(ttft, 95),

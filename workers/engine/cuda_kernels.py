@@ -675,7 +675,9 @@ _SILU_MID_TILES = (
 
 def _fusable(x: torch.Tensor, weight: torch.Tensor, epilogue: int = _STORE
              ) -> tuple[_Tile, bool] | None:
-    """(tile, split) of the product if its path can carry a fused epilogue (not TMA)."""
+    """(tile, split) of the product if its path can carry a fused epilogue (not TMA);
+    for ``_SILU_MUL`` at 65-256 rows, where bi_linear's path is TMA, a ``_SILU_MID_TILES``
+    tile instead."""
     if not FUSE_EPILOGUES:
         return None
     m = x.shape[0]
